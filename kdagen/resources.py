@@ -1,0 +1,56 @@
+"""Per-kernel resource footprints (threads, LDS / shared memory, registers).
+
+The kernels' shared-memory plans live in the headers under ``templates/include``;
+these functions count the same buffers so that the spec validator can refuse a
+variant before any compiler sees it. The padding constants are rendered into the
+kernels' config, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IO_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# Row padding (elements) of the shared-memory tiles, to spread a wave's fragment
+# loads over the banks: 16 bytes for 16-bit tiles, 16 bytes for fp32 tiles.
+PAD_16BIT = 8
+PAD_FP32 = 4
+
+PROLOGUE_THREADS = 256
+RECURRENT_ROWS_PER_BLOCK = 16
+RECURRENT_WAVES = 4
+SCAN_THREADS = 256
+SCAN_ROWS = 16
+# Most fp32 state values one lane may hold across the chunk walk.
+MAX_STATE_REGS_PER_LANE = 64
+MAX_THREADS_PER_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class Footprint:
+    threads: int
+    shared_mem: int
+
+
+def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str) -> Footprint:
+    """G (fp32, later reused for L) + k (io dtype) + three per-row fp32 vectors."""
+    c, d = chunk_size, head_dim
+    g_plane = c * (d + PAD_FP32) * 4
+    k_plane = c * (d + PAD_16BIT) * IO_BYTES[io_dtype]
+    return Footprint(PROLOGUE_THREADS, g_plane + k_plane + 3 * c * 4)
+
+
+def chunk_footprint(
+    head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int
+) -> Footprint:
+    """w, qg (C x K), kg_t (K x C), aqk (C x C) tiles + the fp32 chunk decay."""
+    c, d = chunk_size, head_dim
+    elems = 2 * c * (d + PAD_16BIT) + d * (c + PAD_16BIT) + c * (c + PAD_16BIT)
+    waves = block_width // 16
+    return Footprint(waves * wave_size, elems * IO_BYTES[io_dtype] + d * 4)
+
+
+def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:
+    """Each wave holds 16 state rows x head_dim fp32 values in registers."""
+    return 16 * head_dim // wave_size

@@ -1,0 +1,57 @@
+"""The GPUs kdagen generates code for, with the facts codegen needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Target:
+    """One GPU architecture.
+
+    ``shared_mem`` is the most LDS / shared memory one workgroup may use (bytes),
+    ``check_arch`` the arch a compile-only check falls back to when the local
+    compiler does not know ``arch`` (Debian's ROCm 5.2 clang stops at gfx940).
+    """
+
+    name: str
+    vendor: Literal["amd", "nvidia"]
+    arch: str
+    wave_size: int
+    shared_mem: int
+    matrix: Literal["mfma", "mma.sync"]
+    description: str
+    check_arch: str | None = None
+
+    @property
+    def tag(self) -> str:
+        """Short form used in variant names (``sm_90`` -> ``sm90``)."""
+        return self.name.replace("_", "")
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("gfx90a", "amd", "gfx90a", 64, 65536, "mfma", "AMD Instinct MI200 (CDNA2)"),
+        Target(
+            "gfx942", "amd", "gfx942", 64, 65536, "mfma", "AMD Instinct MI300 (CDNA3)",
+            check_arch="gfx940",
+        ),
+        Target(
+            "gfx950", "amd", "gfx950", 64, 163840, "mfma", "AMD Instinct MI350 (CDNA4)",
+            check_arch="gfx940",
+        ),
+        Target("sm_90", "nvidia", "sm_90a", 32, 232448, "mma.sync", "NVIDIA Hopper (H100, H200)"),
+    )
+}
+
+
+def get_target(name: str) -> Target:
+    """Look a target up by name, with an error that lists the known ones."""
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown target {name!r}; known targets: {', '.join(TARGETS)}"
+        ) from None

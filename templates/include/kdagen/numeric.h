@@ -1,0 +1,72 @@
+// kdagen: io element types, conversions and the scalar maths every kernel shares.
+#pragma once
+
+#include "platform.h"
+
+namespace kdagen {
+
+enum class DType { kBF16, kFP16, kFP32 };
+
+template <DType T> struct IoType { using type = uint16_t; };
+template <> struct IoType<DType::kFP32> { using type = float; };
+template <DType T> using io_t = typename IoType<T>::type;
+
+__device__ __forceinline__ float bf16_to_float(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+
+// Round to nearest even; NaN stays NaN.
+__device__ __forceinline__ uint16_t float_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+__device__ __forceinline__ float fp16_to_float(uint16_t h) {
+#if KDAGEN_NVIDIA
+  return __half2float(__ushort_as_half(h));
+#else
+  return static_cast<float>(__builtin_bit_cast(_Float16, h));
+#endif
+}
+
+__device__ __forceinline__ uint16_t float_to_fp16(float f) {
+#if KDAGEN_NVIDIA
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  return __builtin_bit_cast(uint16_t, static_cast<_Float16>(f));
+#endif
+}
+
+template <DType T> __device__ __forceinline__ float to_float(io_t<T> x) {
+  if constexpr (T == DType::kBF16) return bf16_to_float(x);
+  else if constexpr (T == DType::kFP16) return fp16_to_float(x);
+  else return x;
+}
+
+template <DType T> __device__ __forceinline__ io_t<T> from_float(float x) {
+  if constexpr (T == DType::kBF16) return float_to_bf16(x);
+  else if constexpr (T == DType::kFP16) return float_to_fp16(x);
+  else return x;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+// softplus(x) = log(1 + e^x), and x itself past 20 (as in FLA and the DESIGN).
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
+
+// The per-channel gate in log2 units: g / ln 2, with x = raw_g + dt_bias.
+//   softplus form:    g = -exp(A_log) * softplus(x)
+//   lower-bound form: g = lower_bound * sigmoid(exp(A_log) * x)
+template <bool kLowerBound>
+__device__ __forceinline__ float gate_log2(float x, float a_exp, float lower_bound) {
+  if constexpr (kLowerBound) return lower_bound * sigmoid(a_exp * x) * kLog2e;
+  else return -a_exp * softplus(x) * kLog2e;
+}
+
+__device__ __forceinline__ float rnorm(float sum_sq) { return rsqrtf(sum_sq + 1e-6f); }
+
+}  // namespace kdagen

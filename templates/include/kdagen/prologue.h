@@ -1,0 +1,324 @@
+// kdagen: the chunk prologue. One block per (chunk, head) computes everything the
+// chunk scan needs from the raw projections, in one launch:
+//
+//   q^, k^   L2 norms (applied as per-row factors rq, rk; the raw rows stay in LDS)
+//   G        in-chunk cumulative gate, log2 units (exp2 everywhere below)
+//   qg       q^ * 2^G                              [T, H, K]
+//   kg_t     (k^ * 2^(G_last - G))^T                [chunks, H, K, C], zero past the end
+//   decay    2^G_last                              [chunks, H, K] fp32
+//   aqk      scale * q^_i . (k^_j * 2^(G_i - G_j)), j <= i    [T, H, C]
+//   w, u     (I + L)^-1 (b k^ 2^G),  (I + L)^-1 (b v),
+//            L_ij = b_i k^_i . (k^_j * 2^(G_i - G_j)), j < i
+//
+// exp2(G_i - G_j) is never formed as a ratio. Off-diagonal 16x16 blocks (rows of
+// block bi, columns of block bj < bi) take the first row r of block bi as
+// reference: the factors 2^(G_i - G_r) and 2^(G_r - G_j) are both <= 1, and their
+// product goes through the matrix units. Diagonal blocks use the exact difference
+// per pair. The solve for w and u is a forward substitution in fp32, one thread
+// per output column.
+//
+// LDS plan (C x D): G fp32 [C][D + pad] (reused for L once G is dead), k in the io
+// dtype [C][D + pad] (overwritten in place by b k^ 2^G for the solve), and three
+// fp32 row vectors rk, rq, beta.
+#pragma once
+
+#include "launch_args.h"
+
+namespace kdagen {
+
+template <class Cfg>
+struct PrologueLayout {
+  static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim;
+  static constexpr int LDG = D + Cfg::kPadFp32;  // G plane row stride (floats)
+  static constexpr int LDL = C + Cfg::kPadFp32;  // L plane row stride (floats), inside G's space
+  static constexpr int LDK = D + Cfg::kPad16;    // k plane row stride (elements)
+  static constexpr int kBytes = C * LDG * 4 + C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + 3 * C * 4;
+  static_assert(C * LDL <= C * LDG, "the L plane must fit in the G plane");
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kPrologueThreads) prologue_kernel(PrologueArgs a) {
+  constexpr DType Io = Cfg::kIo;
+  using T = io_t<Io>;
+  using Lay = PrologueLayout<Cfg>;
+  constexpr int C = Lay::C, D = Lay::D, LDG = Lay::LDG, LDL = Lay::LDL, LDK = Lay::LDK;
+  constexpr int NT = Cfg::kPrologueThreads, NW = NT / kWaveSize;
+  constexpr int NB = C / 16;                         // 16-row blocks per chunk
+  constexpr int PAIRS = NB * (NB - 1) / 2;           // off-diagonal block pairs
+  constexpr int PAIRS_PER_WAVE = (PAIRS + NW - 1) / NW;
+  constexpr int ROWS_PER_WAVE = C / NW;
+  constexpr int PER = (D + kWaveSize - 1) / kWaveSize;
+  static_assert(C % NW == 0, "chunk rows must spread evenly over the waves");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* Gs = reinterpret_cast<float*>(smem);
+  float* Ls = Gs;
+  T* Ks = reinterpret_cast<T*>(Gs + C * LDG);
+  float* rk = reinterpret_cast<float*>(Ks + C * LDK);
+  float* rq = rk + C;
+  float* bt = rq + C;
+
+  const int chunk = blockIdx.x, h = blockIdx.y, H = a.num_heads;
+  const int tid = threadIdx.x, lane = lane_id(), wave = wave_id();
+  const int n = a.chunk_indices[2 * chunk], lc = a.chunk_indices[2 * chunk + 1];
+  const int bos = a.cu_seqlens[n], eos = a.cu_seqlens[n + 1];
+  const int t0 = bos + lc * C;
+  const int valid = min(C, eos - t0);
+  const int last = valid - 1;
+
+  // ---- inputs: raw rows, or the causal depthwise conv + SiLU of them ------------------
+  auto raw = [&](const Strided& s, int t, int d) -> float {
+    return to_float<Io>(static_cast<const T*>(s.ptr)[static_cast<int64_t>(t) * s.token +
+                                                     static_cast<int64_t>(h) * s.head + d]);
+  };
+  auto input = [&](int band, int i, int d) -> float {  // band 0 q, 1 k, 2 v; row i < valid
+    const Strided& s = band == 0 ? a.q : (band == 1 ? a.k : a.v);
+    if constexpr (Cfg::kConvWidth == 0) {
+      return raw(s, t0 + i, d);
+    } else {
+      if (a.conv_weight == nullptr) return raw(s, t0 + i, d);
+      constexpr int W = Cfg::kConvWidth;
+      const int ch = (band * H + h) * D + d;
+      const int idx = a.conv_state_indices != nullptr ? a.conv_state_indices[n] : -1;
+      const bool hist = idx >= 0 && idx < a.num_conv_slots &&
+                        (a.conv_has_initial_state == nullptr || a.conv_has_initial_state[n]);
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const int p = t0 + i - (W - 1) + j;  // absolute token of this tap
+        float x = 0.0f;
+        if (p >= bos) x = raw(s, p, d);
+        else if (hist)
+          x = a.conv_state[(static_cast<int64_t>(idx) * 3 * H * D + ch) * (W - 1) + (W - 1) + (p - bos)];
+        acc += a.conv_weight[ch * W + j] * x;
+      }
+      return acc * sigmoid(acc);
+    }
+  };
+
+  // ---- phase 1: k rows, norms, beta, cumulative gate ----------------------------------
+  for (int e = tid; e < C * D; e += NT) {
+    const int i = e / D, d = e % D;
+    Ks[i * LDK + d] = from_float<Io>(i < valid ? input(1, i, d) : 0.0f);
+  }
+  for (int d = tid; d < D; d += NT) {
+    const float a_exp = __expf(a.a_log[h]);
+    const float bias = a.dt_bias[h * D + d];
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < C; ++i) {
+      if (i < valid)
+        acc += gate_log2<Cfg::kLowerBound>(raw(a.g, t0 + i, d) + bias, a_exp, a.lower_bound);
+      Gs[i * LDG + d] = acc;
+    }
+  }
+  __syncthreads();
+  for (int i = wave; i < C; i += NW) {
+    float qq = 0.0f, kk = 0.0f;
+    if (i < valid) {
+      for (int d = lane; d < D; d += kWaveSize) {
+        const float kx = to_float<Io>(Ks[i * LDK + d]), qx = input(0, i, d);
+        kk += kx * kx;
+        qq += qx * qx;
+      }
+    }
+    kk = wave_sum(kk);
+    qq = wave_sum(qq);
+    if (lane == 0) {
+      rk[i] = i < valid ? rnorm(kk) : 0.0f;
+      rq[i] = i < valid ? rnorm(qq) : 0.0f;
+      bt[i] = i < valid ? sigmoid(to_float<Io>(static_cast<const T*>(a.beta.ptr)[
+                              static_cast<int64_t>(t0 + i) * a.beta.token +
+                              static_cast<int64_t>(h) * a.beta.head]))
+                        : 0.0f;
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 2: elementwise outputs qg, kg_t, decay -------------------------------------
+  const int64_t row_hd = static_cast<int64_t>(H) * D;
+  T* qg = static_cast<T*>(a.qg);
+  for (int e = tid; e < valid * D; e += NT) {
+    const int i = e / D, d = e % D;
+    qg[(t0 + i) * row_hd + h * D + d] =
+        from_float<Io>(input(0, i, d) * rq[i] * exp2f(Gs[i * LDG + d]));
+  }
+  T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
+  for (int e = tid; e < D * C; e += NT) {
+    const int d = e / C, i = e % C;
+    const float x = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] *
+                                    exp2f(Gs[last * LDG + d] - Gs[i * LDG + d])
+                              : 0.0f;
+    kg_t[e] = from_float<Io>(x);
+  }
+  for (int d = tid; d < D; d += NT)
+    a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
+
+  // ---- phase 3: L and aqk --------------------------------------------------------------
+  T* aqk = static_cast<T*>(a.aqk);
+  const int64_t row_hc = static_cast<int64_t>(H) * C;
+
+  // Off-diagonal blocks on the matrix units; L stays in registers until G is dead.
+  mma::Acc accL[PAIRS_PER_WAVE > 0 ? PAIRS_PER_WAVE : 1];
+  int pair_bi[PAIRS_PER_WAVE > 0 ? PAIRS_PER_WAVE : 1], pair_bj[PAIRS_PER_WAVE > 0 ? PAIRS_PER_WAVE : 1];
+#pragma unroll
+  for (int pp = 0; pp < PAIRS_PER_WAVE; ++pp) {
+    const int p = wave + pp * NW;
+    int bi = 1, bj = p;  // p = bi * (bi - 1) / 2 + bj
+    while (bj >= bi) { bj -= bi; ++bi; }
+    pair_bi[pp] = bi;
+    pair_bj[pp] = bj;
+    mma::zero(accL[pp]);
+    if (p >= PAIRS) continue;
+    mma::Acc accQ;
+    mma::zero(accQ);
+    const int ref = 16 * bi;
+#pragma unroll 2
+    for (int kt = 0; kt < D / 16; ++kt) {
+      const float* gref = Gs + ref * LDG + 16 * kt;
+      const mma::Frag ak = mma::load_a<Io>([&](int r, int c) {
+        const int i = 16 * bi + r, d = 16 * kt + c;
+        return to_float<Io>(Ks[i * LDK + d]) * exp2f(Gs[i * LDG + d] - gref[c]);
+      });
+      const mma::Frag aq = mma::load_a<Io>([&](int r, int c) {
+        const int i = 16 * bi + r, d = 16 * kt + c;
+        return i < valid ? input(0, i, d) * exp2f(Gs[i * LDG + d] - gref[c]) : 0.0f;
+      });
+      const mma::Frag b = mma::load_b<Io>([&](int nn, int c) {
+        const int j = 16 * bj + nn, d = 16 * kt + c;
+        return to_float<Io>(Ks[j * LDK + d]) * exp2f(gref[c] - Gs[j * LDG + d]);
+      });
+      mma::mma<Io>(accL[pp], ak, b);
+      mma::mma<Io>(accQ, aq, b);
+    }
+    mma::for_each(accQ, [&](int r, int c, float& x) {
+      const int i = 16 * bi + r, j = 16 * bj + c;
+      if (i < valid) aqk[(t0 + i) * row_hc + h * C + j] = from_float<Io>(a.scale * rq[i] * rk[j] * x);
+    });
+  }
+
+  // Diagonal blocks: a wave per row, lanes over D, exact exponent differences.
+  float diagL[ROWS_PER_WAVE];
+#pragma unroll
+  for (int m = 0; m < ROWS_PER_WAVE; ++m) {
+    const int i = wave + m * NW;
+    diagL[m] = 0.0f;
+    if (i >= valid) continue;
+    const int b0 = 16 * (i / 16);
+    float qi[PER], ki[PER], gi[PER];
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+      const int d = lane + e * kWaveSize;
+      const bool in = d < D;
+      qi[e] = in ? input(0, i, d) : 0.0f;
+      ki[e] = in ? to_float<Io>(Ks[i * LDK + d]) : 0.0f;
+      gi[e] = in ? Gs[i * LDG + d] : 0.0f;
+    }
+    float myQ = 0.0f;
+    for (int j = b0; j <= i; ++j) {
+      float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+      for (int e = 0; e < PER; ++e) {
+        const int d = lane + e * kWaveSize;
+        if (d < D) {
+          const float kj = to_float<Io>(Ks[j * LDK + d]) * exp2f(gi[e] - Gs[j * LDG + d]);
+          sk += ki[e] * kj;
+          sq += qi[e] * kj;
+        }
+      }
+      sk = wave_sum(sk);
+      sq = wave_sum(sq);
+      if (lane == j - b0) {
+        diagL[m] = sk;
+        myQ = sq;
+      }
+    }
+    T* arow = aqk + (t0 + i) * row_hc + h * C;
+    if (lane < 16) {
+      const int j = b0 + lane;
+      arow[j] = from_float<Io>(j <= i ? a.scale * rq[i] * rk[j] * myQ : 0.0f);
+    }
+    for (int j = b0 + 16 + lane; j < C; j += kWaveSize) arow[j] = from_float<Io>(0.0f);
+  }
+  __syncthreads();
+
+  // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w --------------------------
+  for (int e = tid; e < C * D; e += NT) {
+    const int i = e / D, d = e % D;
+    Ks[i * LDK + d] =
+        from_float<Io>(bt[i] * rk[i] * to_float<Io>(Ks[i * LDK + d]) * exp2f(Gs[i * LDG + d]));
+  }
+  __syncthreads();
+
+  // ---- phase 5: L into the (now dead) G plane -------------------------------------------
+#pragma unroll
+  for (int pp = 0; pp < PAIRS_PER_WAVE; ++pp) {
+    if (wave + pp * NW >= PAIRS) continue;
+    const int bi = pair_bi[pp], bj = pair_bj[pp];
+    mma::for_each(accL[pp], [&](int r, int c, float& x) {
+      const int i = 16 * bi + r, j = 16 * bj + c;
+      Ls[i * LDL + j] = bt[i] * rk[i] * rk[j] * x;
+    });
+  }
+#pragma unroll
+  for (int m = 0; m < ROWS_PER_WAVE; ++m) {
+    const int i = wave + m * NW;
+    const int j = 16 * (i / 16) + lane;
+    if (lane < 16 && j < i) Ls[i * LDL + j] = i < valid ? bt[i] * rk[i] * rk[j] * diagL[m] : 0.0f;
+  }
+  __syncthreads();
+
+  // ---- phase 6: w = (I + L)^-1 (b k^ 2^G), u = (I + L)^-1 (b v): forward substitution ---
+  T* wout = static_cast<T*>(a.w);
+  T* uout = static_cast<T*>(a.u);
+  for (int col = tid; col < 2 * D; col += NT) {
+    const bool is_w = col < D;
+    const int d = is_w ? col : col - D;
+    float y[C];
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      float acc = 0.0f;
+      if (i < valid) acc = is_w ? to_float<Io>(Ks[i * LDK + d]) : bt[i] * input(2, i, d);
+#pragma unroll
+      for (int j = 0; j < i; ++j) acc -= Ls[i * LDL + j] * y[j];
+      y[i] = acc;
+    }
+    T* dst = is_w ? wout : uout;
+#pragma unroll
+    for (int i = 0; i < C; ++i)
+      if (i < valid) dst[(t0 + i) * row_hd + h * D + d] = from_float<Io>(y[i]);
+  }
+}
+
+// After the prologue has read every sequence's conv history: store each
+// sequence's last W - 1 raw inputs as its new history (oldest first).
+template <class Cfg>
+__global__ void __launch_bounds__(256) conv_state_update_kernel(PrologueArgs a) {
+  constexpr int W = Cfg::kConvWidth > 0 ? Cfg::kConvWidth : 1;
+  constexpr int D = Cfg::kHeadDim;
+  using T = io_t<Cfg::kIo>;
+  const int n = blockIdx.y, H = a.num_heads;
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= 3 * H * D || W < 2) return;
+  const int idx = a.conv_state_indices[n];
+  if (idx < 0 || idx >= a.num_conv_slots) return;
+  const bool hist = a.conv_has_initial_state == nullptr || a.conv_has_initial_state[n];
+  const int bos = a.cu_seqlens[n], len = a.cu_seqlens[n + 1] - bos;
+  const int band = ch / (H * D), h = (ch / D) % H, d = ch % D;
+  const Strided& s = band == 0 ? a.q : (band == 1 ? a.k : a.v);
+  float* row = a.conv_state + (static_cast<int64_t>(idx) * 3 * H * D + ch) * (W - 1);
+  float next[W];
+#pragma unroll
+  for (int m = 0; m < W - 1; ++m) {
+    const int p = len - (W - 1) + m;  // position relative to the sequence start
+    if (p >= 0)
+      next[m] = to_float<Cfg::kIo>(static_cast<const T*>(s.ptr)[
+          static_cast<int64_t>(bos + p) * s.token + static_cast<int64_t>(h) * s.head + d]);
+    else
+      next[m] = hist ? row[(W - 1) + p] : 0.0f;
+  }
+#pragma unroll
+  for (int m = 0; m < W - 1; ++m) row[m] = next[m];
+}
+
+}  // namespace kdagen

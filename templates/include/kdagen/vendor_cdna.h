@@ -1,0 +1,87 @@
+// kdagen vendor layer, AMD CDNA (wave of 64, MFMA 16x16x16).
+//
+// Same interface as vendor_cuda.h. MFMA's accumulator layout is its B layout,
+// not its A layout, so a logical D = A * B is issued as D^T = B^T * A^T: the
+// hardware A operand is our B tile and the hardware B operand our A tile. Then a
+// logical accumulator lane holds (row = l % 16, col = 4 * (l / 16) + j), which is
+// exactly the logical A layout (row = l % 16, k = 4 * (l / 16) + j): `to_a` moves
+// no data, on either vendor.
+#pragma once
+
+#include "numeric.h"
+
+namespace kdagen {
+
+constexpr int kWaveSize = 64;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 63; }
+__device__ __forceinline__ int wave_id() { return threadIdx.x >> 6; }
+
+__device__ __forceinline__ float wave_sum(float x) {
+#pragma unroll
+  for (int o = 32; o > 0; o >>= 1) x += __shfl_xor(x, o);
+  return x;
+}
+
+namespace mma {
+
+typedef float f32x4 __attribute__((ext_vector_type(4)));
+typedef short i16x4 __attribute__((ext_vector_type(4)));
+typedef _Float16 f16x4 __attribute__((ext_vector_type(4)));
+
+struct Acc { f32x4 v; };
+struct Frag { i16x4 x; };
+
+__device__ __forceinline__ void zero(Acc& c) { c.v = f32x4{0.0f, 0.0f, 0.0f, 0.0f}; }
+
+template <class F> __device__ __forceinline__ void for_each(Acc& c, F&& f) {
+  const int r = lane_id() & 15, q = lane_id() >> 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float x = c.v[j];
+    f(r, 4 * q + j, x);
+    c.v[j] = x;
+  }
+}
+
+template <DType T> __device__ __forceinline__ short pack1(float x) {
+  static_assert(T != DType::kFP32, "matrix operands are 16-bit");
+  return static_cast<short>(from_float<T>(x));
+}
+
+// A[row][k] with row = l % 16, k = 4 * (l / 16) + j.
+template <DType T, class F> __device__ __forceinline__ Frag load_a(F&& f) {
+  const int r = lane_id() & 15, q = lane_id() >> 4;
+  Frag a;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a.x[j] = pack1<T>(f(r, 4 * q + j));
+  return a;
+}
+
+// B[k][n] from f(n, k), with n = l % 16, k = 4 * (l / 16) + j (the hardware A layout).
+template <DType T, class F> __device__ __forceinline__ Frag load_b(F&& f) {
+  const int n = lane_id() & 15, q = lane_id() >> 4;
+  Frag b;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) b.x[j] = pack1<T>(f(n, 4 * q + j));
+  return b;
+}
+
+template <DType T> __device__ __forceinline__ Frag to_a(const Acc& c) {
+  Frag a;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a.x[j] = pack1<T>(c.v[j]);
+  return a;
+}
+
+template <DType T> __device__ __forceinline__ void mma(Acc& d, const Frag& a, const Frag& b) {
+  if constexpr (T == DType::kBF16) {
+    d.v = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(b.x, a.x, d.v, 0, 0, 0);
+  } else {
+    d.v = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(f16x4, b.x),
+                                                  __builtin_bit_cast(f16x4, a.x), d.v, 0, 0, 0);
+  }
+}
+
+}  // namespace mma
+}  // namespace kdagen

@@ -1,0 +1,110 @@
+// kdagen vendor layer, NVIDIA (warp of 32, mma.sync m16n8k16).
+//
+// The kernels see one interface on every vendor: a 16x16 fp32 accumulator tile
+// `Acc`, 16-bit operand tiles `Frag`, and
+//   load_a(f)  A operand, f(row, k) gives A[row][k]
+//   load_b(f)  B operand, f(n, k)   gives B[k][n]   (k runs along memory rows)
+//   to_a(acc)  reuse an accumulator (row, col) as an A operand (row, k = col)
+//   mma(d,a,b) d += a * b
+//   for_each(acc, f) visits this lane's (row, col, value&)
+// Here a 16x16 tile is two m16n8 halves; lane = 4 * g + t.
+#pragma once
+
+#include "numeric.h"
+
+namespace kdagen {
+
+constexpr int kWaveSize = 32;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int wave_id() { return threadIdx.x >> 5; }
+
+__device__ __forceinline__ float wave_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+namespace mma {
+
+struct Acc { float v[8]; };
+struct Frag { uint32_t r[4]; };
+
+template <DType T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  static_assert(T != DType::kFP32, "matrix operands are 16-bit");
+  if constexpr (T == DType::kBF16) {
+    __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&p);
+  } else {
+    __half2 p = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&p);
+  }
+}
+
+__device__ __forceinline__ void zero(Acc& c) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) c.v[i] = 0.0f;
+}
+
+// v[4h + e]: row g + 8 * (e >> 1), col 8h + 2t + (e & 1).
+template <class F> __device__ __forceinline__ void for_each(Acc& c, F&& f) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f(g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t + (i & 1), c.v[i]);
+}
+
+template <DType T, class F> __device__ __forceinline__ Frag load_a(F&& f) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  Frag a;
+  a.r[0] = pack2<T>(f(g, 2 * t), f(g, 2 * t + 1));
+  a.r[1] = pack2<T>(f(g + 8, 2 * t), f(g + 8, 2 * t + 1));
+  a.r[2] = pack2<T>(f(g, 2 * t + 8), f(g, 2 * t + 9));
+  a.r[3] = pack2<T>(f(g + 8, 2 * t + 8), f(g + 8, 2 * t + 9));
+  return a;
+}
+
+// r[2h], r[2h+1]: n = 8h + g, k = 2t.. and 2t+8..
+template <DType T, class F> __device__ __forceinline__ Frag load_b(F&& f) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  Frag b;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    b.r[2 * h] = pack2<T>(f(8 * h + g, 2 * t), f(8 * h + g, 2 * t + 1));
+    b.r[2 * h + 1] = pack2<T>(f(8 * h + g, 2 * t + 8), f(8 * h + g, 2 * t + 9));
+  }
+  return b;
+}
+
+// The accumulator layout of m16n8 is the A layout of m16n8k16: no data moves.
+template <DType T> __device__ __forceinline__ Frag to_a(const Acc& c) {
+  Frag a;
+  a.r[0] = pack2<T>(c.v[0], c.v[1]);
+  a.r[1] = pack2<T>(c.v[2], c.v[3]);
+  a.r[2] = pack2<T>(c.v[4], c.v[5]);
+  a.r[3] = pack2<T>(c.v[6], c.v[7]);
+  return a;
+}
+
+template <DType T> __device__ __forceinline__ void mma(Acc& d, const Frag& a, const Frag& b) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (T == DType::kBF16) {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(d.v[4 * h]), "+f"(d.v[4 * h + 1]), "+f"(d.v[4 * h + 2]), "+f"(d.v[4 * h + 3])
+          : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[2 * h]),
+            "r"(b.r[2 * h + 1]));
+    } else {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(d.v[4 * h]), "+f"(d.v[4 * h + 1]), "+f"(d.v[4 * h + 2]), "+f"(d.v[4 * h + 3])
+          : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[2 * h]),
+            "r"(b.r[2 * h + 1]));
+    }
+  }
+}
+
+}  // namespace mma
+}  // namespace kdagen
