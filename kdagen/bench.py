@@ -1,0 +1,234 @@
+"""``kdagen bench``: kdagen's prologue + chunk scan against ``fla.ops.kda.chunk_kda``,
+side by side in one process, on the same inputs, with the roofline beside it.
+
+Per token x head (K = V = D, chunk C, bf16), counted for the two-kernel design:
+  bytes  read q, k, v, g (4 D x 2) + beta (2); prologue writes qg, w, u (3 D x 2),
+         aqk (C x 2), kg_t (D x 2); the scan reads them back and writes o (D x 2).
+  FLOPs  prologue 4 C D (L, aqk, the triangular solves of w and u) + scan 6 D^2
+         (S w, S qg, kg v_new) + C D (aqk v_new).
+Times are medians of CUDA-event timings over many runs, rotating through several
+input sets so the L2 cache does not flatter either side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+DEFAULT_SHAPES = "1x32768:32,8x4096:32,32x1024:32,1x2048:32,1x131072:8,64x256:32"
+D, C = 128, 64
+
+
+@dataclass
+class Row:
+    shape: str
+    gate: str
+    token_heads: int
+    groups: int
+    kdagen_ms: float
+    prologue_ms: float
+    chunk_ms: float
+    fla_ms: float | None
+    floor_ms: float
+    bytes: float
+    flops: float
+    err_vs_fla: float | None
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in text.split(","):
+        nt, h = item.strip().split(":")
+        n, t = nt.split("x")
+        out.append((int(n), int(t), int(h)))
+    return out
+
+
+def traffic(token_heads: int) -> tuple[float, float]:
+    per_bytes = 4 * D * 2 + 2 + 2 * (3 * D * 2 + C * 2 + D * 2) + D * 2
+    per_flops = 4 * C * D + 6 * D * D + C * D
+    return per_bytes * token_heads, per_flops * token_heads
+
+
+def time_ms(fn, sets: int, reps: int, warmup: int = 3) -> float:
+    for i in range(warmup):
+        fn(i % sets)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i % sets)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ceilings() -> tuple[float, float]:
+    """Measured copy bandwidth (bytes/s, read + write) and bf16 matrix rate (FLOP/s)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = time_ms(lambda i: y.copy_(x), 1, 20)
+    bw = 2 * x.numel() / (ms * 1e-3)
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = time_ms(lambda i: a @ b, 1, 10)
+    return bw, 2 * 8192 ** 3 / (ms * 1e-3)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(__file__)).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def run(shapes: list[tuple[int, int, int]], reps: int) -> tuple[list[Row], dict]:
+    import kdagen
+    from .groups import chunk_groups, num_compute_units
+    from .jit import device_target
+    from .testing import make_inputs, rel_err
+
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as e:  # noqa: BLE001 - report, still time kdagen
+        print(f"kdagen bench: fla.ops.kda unavailable ({type(e).__name__}: {e}); kdagen only")
+        chunk_kda = None
+    bw, rate = ceilings()
+    target = device_target()
+    rows = []
+    for gate in ("lower_bound", "softplus"):
+        kern = kdagen.load({"target": target, "gate": gate})
+        for n, t, h in shapes:
+            th = n * t * h
+            nsets = max(2, min(4, int(3e9 // (th * 3000)) or 2))
+            sets = [make_inputs([t] * n, h, D, gate=gate, seed=s) for s in range(nsets)]
+            inits = [torch.randn(n, h, D, D, device="cuda") * 0.05 for _ in range(nsets)]
+            lb = sets[0].lower_bound
+            pro = [kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens) for x in sets]
+            outs = [torch.empty_like(p["u"]) for p in pro]
+
+            def ours(i):
+                x = sets[i]
+                p = kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens)
+                return kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
+                                            p["u"], None, x.cu_seqlens, inits[i], True)
+
+            def prologue_only(i):
+                x = sets[i]
+                kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens)
+
+            def chunk_only(i):
+                p = pro[i]
+                kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
+                                     outs[i], None, sets[i].cu_seqlens, inits[i], True)
+
+            groups = chunk_groups((t + C - 1) // C, n, h, num_compute_units(torch.device("cuda")),
+                                  pass_one_blocks=2, pass_two_blocks=1)
+            row = Row(f"{n}x{t}x{h}", gate, th, groups, time_ms(ours, nsets, reps),
+                      time_ms(prologue_only, nsets, reps), time_ms(chunk_only, nsets, reps), None,
+                      0.0, *traffic(th), None)
+            if chunk_kda is not None:
+                cus = [x.cu_seqlens.long() for x in sets]
+
+                def theirs(i):
+                    x = sets[i]
+                    return chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=inits[i],
+                                     output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                     lower_bound=lb, state_v_first=True, cu_seqlens=cus[i],
+                                     A_log=x.A_log, dt_bias=x.dt_bias)
+
+                try:
+                    o_f, _ = theirs(0)
+                    o_k, _ = ours(0)
+                    row.err_vs_fla = rel_err(o_k, o_f)
+                    row.fla_ms = time_ms(theirs, nsets, reps)
+                except Exception as e:  # noqa: BLE001
+                    row.notes.append(f"fla failed: {type(e).__name__}: {e}"[:200])
+            row.floor_ms = max(row.bytes / bw, row.flops / rate) * 1e3
+            rows.append(row)
+            print(_line(row), flush=True)
+            del sets, pro, outs, inits
+            torch.cuda.empty_cache()
+    meta = dict(
+        date=time.strftime("%Y-%m-%d"), commit=commit(), gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__, copy_gbps=bw / 1e9, bf16_tflops=rate / 1e12,
+        cus=num_compute_units(torch.device("cuda")),
+    )
+    return rows, meta
+
+
+HEADER = ("| shape N x T x H | gate | groups | kdagen ms | prologue ms | chunk ms | FLA ms | "
+          "speed-up | floor ms | kdagen GB/s | kdagen TFLOP/s | err vs FLA |")
+
+
+def _line(r: Row) -> str:
+    fla = f"{r.fla_ms:.3f}" if r.fla_ms else "n/a"
+    sp = f"{r.fla_ms / r.kdagen_ms:.2f}x" if r.fla_ms else "n/a"
+    err = f"{r.err_vs_fla:.1e}" if r.err_vs_fla is not None else "n/a"
+    return (f"| {r.shape} | {r.gate} | {r.groups} | {r.kdagen_ms:.3f} | {r.prologue_ms:.3f} | "
+            f"{r.chunk_ms:.3f} | {fla} | {sp} | {r.floor_ms:.3f} | "
+            f"{r.bytes / r.kdagen_ms / 1e6:.0f} | {r.flops / r.kdagen_ms / 1e9:.1f} | {err} |")
+
+
+def table(rows: list[Row], meta: dict) -> str:
+    head = (f"{meta['date']}, commit {meta['commit']}, {meta['gpu']} ({meta['cus']} SMs), torch "
+            f"{meta['torch']}; measured copy {meta['copy_gbps']:.0f} GB/s, bf16 matmul "
+            f"{meta['bf16_tflops']:.0f} TFLOP/s. bf16, K = V = 128, chunk 64, fp32 initial "
+            "state in, final state out; median of CUDA-event timings.")
+    sep = "|" + "---|" * (HEADER.count("|") - 1)
+    return "\n".join([head, "", HEADER, sep, *(_line(r) for r in rows)])
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gates = sorted({r.gate for r in rows})
+    fig, axes = plt.subplots(1, len(gates), figsize=(7 * len(gates), 4.5), squeeze=False)
+    for ax, gate in zip(axes[0], gates):
+        rs = [r for r in rows if r.gate == gate]
+        x = range(len(rs))
+        w = 0.27
+        ax.bar([i - w for i in x], [r.kdagen_ms for r in rs], w, label="kdagen")
+        ax.bar(list(x), [r.fla_ms or 0 for r in rs], w, label="FLA chunk_kda")
+        ax.bar([i + w for i in x], [r.floor_ms for r in rs], w, label="floor (roofline)")
+        ax.set_xticks(list(x), [r.shape for r in rs], rotation=20)
+        ax.set_ylabel("ms")
+        ax.set_title(f"KDA prefill forward, {gate} gate")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(ns: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("kdagen: error: bench needs a GPU (torch.cuda.is_available() is False)")
+        return 1
+    rows, meta = run(parse_shapes(ns.shapes or DEFAULT_SHAPES), ns.reps)
+    text = table(rows, meta)
+    print()
+    print(text)
+    if ns.markdown:
+        with open(ns.markdown, "w") as f:
+            f.write(text + "\n")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=2)
+    if ns.plot:
+        plot(rows, ns.plot)
+    return 0

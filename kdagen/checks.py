@@ -1,0 +1,120 @@
+"""Argument checks for the op wrappers: bad input never reaches a kernel.
+
+Shape, dtype, device and stride checks cost nothing and always run. Value checks
+(monotone ``cu_seqlens``, index ranges, checkpoint alignment) read small index
+tensors back to the host, so they are skipped while a CUDA graph is captured or
+torch.compile traces (the kernels still skip out-of-range rows there), and can be
+turned off with ``KDAGEN_CHECK_VALUES=0``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class ArgumentError(ValueError):
+    """A bad argument, named."""
+
+
+def _fail(op: str, name: str, msg: str, exc: type[Exception] = ArgumentError) -> None:
+    raise exc(f"{op}: argument '{name}' {msg}")
+
+
+def tensor(
+    op: str,
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    device: torch.device | None = None,
+    last_contiguous: bool = False,
+    contiguous: bool = False,
+    aligned: int = 0,
+) -> torch.Tensor:
+    """Check one tensor argument; ``None`` entries of ``shape`` match any size."""
+    if not isinstance(t, torch.Tensor):
+        _fail(op, name, f"must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    assert isinstance(t, torch.Tensor)
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        _fail(op, name, f"must have dtype {allowed}, got {str(t.dtype).removeprefix('torch.')}",
+              TypeError)
+    want_ndim = len(shape) if shape is not None else ndim
+    if want_ndim is not None and t.dim() != want_ndim:
+        _fail(op, name, f"must have {want_ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                expect = tuple("*" if s is None else s for s in shape)
+                _fail(op, name, f"must have shape {expect}, got {tuple(t.shape)} (dim {i})")
+    if device is not None and t.device != device:
+        _fail(op, name, f"must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        _fail(op, name, f"must be contiguous, got strides {t.stride()}")
+    if last_contiguous and t.dim() > 0 and t.size(-1) > 1 and t.stride(-1) != 1:
+        _fail(op, name, f"must have a contiguous last dim, got strides {t.stride()}")
+    if aligned and t.numel() > 0 and t.data_ptr() % aligned != 0:
+        _fail(op, name, f"must start on a {aligned}-byte boundary (a view at an odd offset?)")
+    return t
+
+
+def optional(op: str, name: str, t: object, **kw: object) -> torch.Tensor | None:
+    return None if t is None else tensor(op, name, t, **kw)  # type: ignore[arg-type]
+
+
+def values_checkable() -> bool:
+    """False while capturing a CUDA graph or tracing, where reading values would sync."""
+    if os.environ.get("KDAGEN_CHECK_VALUES", "1") == "0":
+        return False
+    try:
+        if torch.compiler.is_compiling():
+            return False
+    except AttributeError:  # pragma: no cover - old torch
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def cu_seqlens(op: str, cu: object, total_tokens: int, device: torch.device | None) -> torch.Tensor:
+    t = tensor(op, "cu_seqlens", cu, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if t.numel() < 2:
+        _fail(op, "cu_seqlens", f"must hold at least 2 offsets (N + 1), got {t.numel()}")
+    if values_checkable():
+        vals = t.tolist()
+        if vals[0] != 0:
+            _fail(op, "cu_seqlens", f"must start at 0, got {vals[0]}")
+        bad = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
+        if bad is not None:
+            _fail(op, "cu_seqlens", f"must be non-decreasing, but [{bad - 1}] = {vals[bad - 1]} > "
+                                    f"[{bad}] = {vals[bad]}")
+        if vals[-1] != total_tokens:
+            _fail(op, "cu_seqlens", f"must end at the token count {total_tokens}, got {vals[-1]}")
+    return t
+
+
+def indices(op: str, name: str, t: object, n: int, rows: int, device: torch.device | None) -> torch.Tensor:
+    """An int index per sequence into ``rows`` rows; negative entries mean 'none'."""
+    x = tensor(op, name, t, shape=(n,), dtypes=INDEX_DTYPES, device=device)
+    if values_checkable() and n > 0:
+        hi = int(x.max())
+        if hi >= rows:
+            _fail(op, name, f"holds row {hi}, but the target has only {rows} rows")
+    return x
+
+
+def flags(op: str, name: str, t: object, n: int, device: torch.device | None) -> torch.Tensor:
+    return tensor(op, name, t, shape=(n,), dtypes=(torch.bool,), device=device)
+
+
+def same_device(op: str, ref: torch.Tensor, **named: torch.Tensor | None) -> None:
+    for name, t in named.items():
+        if t is not None and t.device != ref.device:
+            _fail(op, name, f"must be on {ref.device} like the other inputs, got {t.device}")

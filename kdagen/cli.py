@@ -1,0 +1,235 @@
+"""The ``kdagen`` command line.
+
+    kdagen build SPEC.yaml [--arch A ...] [--compile-only]   render + build, print artefacts
+    kdagen render SPEC.yaml -o DIR [--arch A ...]            write the sources
+    kdagen variants GRID.yaml [--filter PAT] [--list]        expand a grid, build it all in one ninja graph
+    kdagen generated [--check]                               re-render generated/ (the shipped variants)
+    kdagen targets                                           the GPUs kdagen knows
+    kdagen cache list|clear                                  the build cache
+    kdagen bench [...]                                       kdagen vs fla.ops.kda.chunk_kda (GPU)
+
+Errors are one paragraph and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import __version__
+
+DEFAULT_SPEC_NOTE = "SPEC.yaml: a spec file (see examples/default.yaml); omitted: the default spec"
+
+
+def _specs(path: str | None, arch: list[str] | None):
+    from .spec import KernelSpec, SpecError
+
+    spec = KernelSpec.from_yaml(path) if path else KernelSpec.parse({})
+    archs = _arch_list(arch)
+    if not archs:
+        return [spec]
+    out = []
+    for a in archs:
+        try:
+            out.append(spec.with_target(a))
+        except SpecError as e:
+            raise SpecError(f"--arch {a}: {e}") from None
+    return out
+
+
+def _arch_list(arch: list[str] | None) -> list[str]:
+    items = arch or []
+    if not items and os.environ.get("KDAGEN_ARCH"):
+        items = [os.environ["KDAGEN_ARCH"]]
+    return [a.strip() for item in items for a in item.split(",") if a.strip()]
+
+
+def cmd_build(ns: argparse.Namespace) -> int:
+    from .build import build_many
+
+    specs = _specs(ns.spec, ns.arch)
+    mode = "objects" if ns.compile_only else "full"
+    entries = build_many(specs, mode, verbose=ns.verbose or None, force=ns.force or None)
+    for e in entries:
+        for a in e.artefacts():
+            print(a)
+    if ns.compile_only:
+        print("compile-only: device code compiled to objects; nothing was linked or loaded",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_render(ns: argparse.Namespace) -> int:
+    from .render import render
+
+    for spec in _specs(ns.spec, ns.arch):
+        folder = Path(ns.output) / spec.uri
+        render(spec).write(folder)
+        print(folder)
+    return 0
+
+
+def cmd_variants(ns: argparse.Namespace) -> int:
+    from .build import build_many
+    from .variants import expand_file
+
+    exp = expand_file(ns.grid, pattern=ns.filter)
+    for fields, why in exp.pruned:
+        print(f"pruned {fields}: {why}", file=sys.stderr)
+    if not exp.specs:
+        print(f"kdagen: error: {ns.grid}: no variant is left after pruning and filtering",
+              file=sys.stderr)
+        return 1
+    if ns.list:
+        for s in exp.specs:
+            print(s.uri)
+        return 0
+    mode = "objects" if ns.compile_only else "full"
+    entries = build_many(exp.specs, mode, verbose=ns.verbose or None, force=ns.force or None,
+                         jobs=ns.jobs)
+    for e in entries:
+        for a in e.artefacts():
+            print(a)
+    return 0
+
+
+def cmd_generated(ns: argparse.Namespace) -> int:
+    from .generated import check_generated, write_generated
+
+    if ns.check:
+        stale = check_generated()
+        for s in stale:
+            print(f"stale: {s}", file=sys.stderr)
+        if stale:
+            print("kdagen: error: generated/ is stale; run `kdagen generated`", file=sys.stderr)
+            return 1
+        print("generated/ is up to date")
+        return 0
+    for folder in write_generated():
+        print(folder)
+    return 0
+
+
+def cmd_targets(ns: argparse.Namespace) -> int:
+    from .targets import TARGETS
+
+    print(f"{'target':8} {'vendor':7} {'arch':7} {'wave':>4} {'LDS/smem':>9}  matrix    description")
+    for t in TARGETS.values():
+        print(f"{t.name:8} {t.vendor:7} {t.arch:7} {t.wave_size:>4} {t.shared_mem:>9}  "
+              f"{t.matrix:9} {t.description}")
+    return 0
+
+
+def cmd_cache(ns: argparse.Namespace) -> int:
+    from .build import cache_root, cached_entries, clear_cache
+
+    if ns.action == "list":
+        entries = cached_entries()
+        print(f"cache: {cache_root()} ({len(entries)} entries)")
+        for e in entries:
+            print(f"  {Path(e['path']).name:60} {e['mode']:7} {e['arch']:7} "
+                  f"{e['bytes'] / 1e6:7.1f} MB  built {e.get('built_at', '?')}")
+        return 0
+    n = clear_cache()
+    print(f"removed {n} entries from {cache_root()}")
+    return 0
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(ns)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kdagen",
+        description="kdagen: a kernel compiler for Kimi Delta Attention. Specs go through "
+                    "Jinja templates to HIP kernels, ninja builds them, torch loads them.",
+        epilog="environment: KDAGEN_CACHE_DIR (build cache, default ~/.cache/kdagen), "
+               "KDAGEN_ARCH (default --arch list), KDAGEN_REBUILD=1 (rebuild), KDAGEN_VERBOSE=1 "
+               "(compiler lines), KDAGEN_JOBS (ninja -j), KDAGEN_GROUPS (force a chunk-group "
+               "count), KDAGEN_CHECK_VALUES=0 (skip host-side value checks)",
+    )
+    p.add_argument("--version", action="version", version=f"kdagen {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("-v", "--verbose", action="store_true", help="show the compiler lines")
+        sp.add_argument("--force", action="store_true", help="rebuild even if cached")
+
+    b = sub.add_parser("build", help="render and build a spec, print its artefacts",
+                       description="Render and build one spec. " + DEFAULT_SPEC_NOTE)
+    b.add_argument("spec", nargs="?", help="spec YAML (default: the default spec)")
+    b.add_argument("--arch", action="append", help="target(s), comma separated or repeated; "
+                   "overrides the spec's target (e.g. --arch gfx90a,gfx942,sm_90)")
+    b.add_argument("--compile-only", action="store_true",
+                   help="compile device code to objects only: no torch binding, no link, no load "
+                        "(works without a GPU)")
+    common(b)
+    b.set_defaults(fn=cmd_build)
+
+    r = sub.add_parser("render", help="write a spec's generated sources",
+                       description="Render a spec's sources into DIR/<variant>-<hash>/. "
+                                   + DEFAULT_SPEC_NOTE)
+    r.add_argument("spec", nargs="?", help="spec YAML (default: the default spec)")
+    r.add_argument("-o", "--output", required=True, help="output folder")
+    r.add_argument("--arch", action="append", help="target(s) to render for")
+    r.set_defaults(fn=cmd_render)
+
+    v = sub.add_parser("variants", help="expand a grid of specs and build them all in parallel",
+                       description="Expand GRID.yaml (base, grid, filter) into specs, prune the ones "
+                                   "the validator refuses (with reasons), build the rest through "
+                                   "one ninja graph.")
+    v.add_argument("grid", help="grid YAML")
+    v.add_argument("--filter", help="fnmatch pattern on variant names, e.g. '*_bf16_*'")
+    v.add_argument("--list", action="store_true", help="list the variants, build nothing")
+    v.add_argument("--compile-only", action="store_true", help="device objects only (no GPU needed)")
+    v.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (ninja -j)")
+    common(v)
+    v.set_defaults(fn=cmd_variants)
+
+    g = sub.add_parser("generated", help="re-render generated/ from examples/shipped.yaml",
+                       description="Re-render the shipped variants into generated/, or --check "
+                                   "that it is current.")
+    g.add_argument("--check", action="store_true", help="fail if generated/ is stale")
+    g.set_defaults(fn=cmd_generated)
+
+    t = sub.add_parser("targets", help="list the known targets")
+    t.set_defaults(fn=cmd_targets)
+
+    c = sub.add_parser("cache", help="list or clear the build cache")
+    c.add_argument("action", choices=["list", "clear"])
+    c.set_defaults(fn=cmd_cache)
+
+    bn = sub.add_parser("bench", help="time kdagen against fla.ops.kda.chunk_kda on this GPU",
+                        description="Side-by-side prefill benchmark (needs a GPU and fla-core).")
+    bn.add_argument("--shapes", help="comma separated NxT:H list, e.g. 1x32768:32,8x4096:32")
+    bn.add_argument("--reps", type=int, default=50, help="timed repetitions per shape")
+    bn.add_argument("--markdown", help="write the result table to this markdown file")
+    bn.add_argument("--plot", help="write a PNG plot here")
+    bn.add_argument("--json", help="write raw results here")
+    bn.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    from .build import BuildError
+    from .spec import SpecError
+    from .toolchain import ToolchainError
+
+    try:
+        return ns.fn(ns)
+    except (SpecError, BuildError, ToolchainError, RuntimeError, OSError, ValueError) as e:
+        print(f"kdagen: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kdagen: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

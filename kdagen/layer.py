@@ -1,0 +1,77 @@
+"""``kda_forward``: the whole KDA layer op with the conventions of
+``fla.ops.kda.chunk_kda``, so one can stand in for the other."""
+
+from __future__ import annotations
+
+import torch
+
+from .jit import for_inputs
+
+
+def kda_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = True,
+    use_gate_in_kernel: bool = True,
+    use_beta_sigmoid_in_kernel: bool = True,
+    lower_bound: float | None = None,
+    state_v_first: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    chunk_size: int = 64,
+    groups: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Raw q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g ``[B, T, H, K]`` (before the
+    gate), beta ``[B, T, H]`` (before the sigmoid) -> ``(o [B, T, H, V], final_state)``.
+
+    As in ``chunk_kda``: ``cu_seqlens`` needs B == 1; ``initial_state`` / the final
+    state are fp32 ``[N, H, V, K]`` when ``state_v_first`` (vLLM's layout, the default
+    here) or ``[N, H, K, V]`` when not (FLA's default; then kdagen transposes them,
+    because you said so). The l2 norms, the gate (softplus form, or lower-bound form
+    when ``lower_bound`` is given) and the beta sigmoid always run in kernel.
+    """
+    for flag, name in ((use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel"),
+                       (use_gate_in_kernel, "use_gate_in_kernel"),
+                       (use_beta_sigmoid_in_kernel, "use_beta_sigmoid_in_kernel")):
+        if not flag:
+            raise ValueError(f"kda_forward: {name}=False is not supported: kdagen's prologue always "
+                             "applies it; pass the raw tensors")
+    if q.dim() != 4:
+        raise ValueError(f"kda_forward: argument 'q' must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"kda_forward: with cu_seqlens the batch must be 1, got B = {B}")
+    else:
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+        if B > 1:
+            q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
+            beta = beta.reshape(1, B * T, beta.shape[-1])
+    N = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        if initial_state.dim() != 4 or initial_state.shape[:2] != (N, H):
+            raise ValueError(f"kda_forward: argument 'initial_state' must be [{N}, {H}, *, *], got "
+                             f"{tuple(initial_state.shape)}")
+        if initial_state.dtype != torch.float32:
+            raise TypeError(f"kda_forward: argument 'initial_state' must be float32, got "
+                            f"{initial_state.dtype}")
+        if not state_v_first:
+            initial_state = initial_state.transpose(-1, -2)
+        initial_state = initial_state.contiguous()
+    kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size)
+    pro = kern.fused_kda_prologue(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens)
+    out = pro["u"]  # the scan reads each chunk's u before it writes that chunk's output
+    o, final = kern.fused_kda_chunk(pro["qg"], pro["w"], pro["u"], pro["kg_t"], pro["aqk"],
+                                    pro["decay"], out, scale, cu_seqlens, initial_state,
+                                    output_final_state, groups=groups)
+    if final is not None and not state_v_first:
+        final = final.transpose(-1, -2).contiguous()
+    return o.reshape(B, T, H, -1), final

@@ -1,0 +1,350 @@
+"""The op wrappers of one variant, with the production wrapper's contracts.
+
+``Kernels`` holds a variant's spec and its registered torch ops. Its methods check
+every argument (kdagen/checks.py), allocate outputs and workspaces from the
+caching allocator, and launch on the current stream without synchronising.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Mapping
+
+import torch
+
+from . import checks as ck
+from .groups import chunk_groups, group_workspace, num_compute_units
+from .spec import KernelSpec
+from .varlen import prepare_chunk_indices, prepare_chunk_offsets
+
+IO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Kernels:
+    """A loaded variant. ``ops`` maps op names (recurrent, prologue, chunk) to callables."""
+
+    def __init__(self, spec: KernelSpec, ops: Mapping[str, Callable[..., None]], library: str = ""):
+        self.spec = spec
+        self.ops = dict(ops)
+        self.library = library
+        self.dtype = IO_DTYPES[spec.io_dtype]
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.spec.name}, ops={sorted(self.ops)})"
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _op(self, name: str) -> Callable[..., None]:
+        if name not in self.ops:
+            raise NotImplementedError(
+                f"{self.spec.name} was built without the {name} op (ops: {', '.join(self.spec.ops)})"
+            )
+        return self.ops[name]
+
+    def _gate(self, op: str, lower_bound: float | None) -> float:
+        if self.spec.gate == "lower_bound":
+            if lower_bound is None or not math.isfinite(lower_bound) or lower_bound >= 0:
+                raise ck.ArgumentError(
+                    f"{op}: argument 'lower_bound' must be a finite negative float for the "
+                    f"lower-bound gate of {self.spec.name}, got {lower_bound!r}"
+                )
+            return float(lower_bound)
+        if lower_bound is not None:
+            raise ck.ArgumentError(
+                f"{op}: argument 'lower_bound' = {lower_bound!r}, but {self.spec.name} uses the "
+                "softplus gate; pass None, or load a spec with gate: lower_bound"
+            )
+        return 0.0
+
+    @staticmethod
+    def _gpu(op: str, t: torch.Tensor, name: str) -> torch.device:
+        if t.device.type != "cuda":
+            raise ck.ArgumentError(f"{op}: argument '{name}' must be on a GPU, got {t.device}")
+        return t.device
+
+    def _head_params(self, op: str, A_log: object, dt_bias: object, H: int, dev: torch.device):
+        D = self.spec.head_dim
+        a = ck.tensor(op, "A_log", A_log, dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                      device=dev)
+        b = ck.tensor(op, "dt_bias", dt_bias, dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                      device=dev)
+        if a.numel() != H:
+            raise ck.ArgumentError(f"{op}: argument 'A_log' must hold H = {H} values, got shape "
+                                   f"{tuple(a.shape)}")
+        if b.numel() != H * D:
+            raise ck.ArgumentError(f"{op}: argument 'dt_bias' must hold H * K = {H * D} values, got "
+                                   f"shape {tuple(b.shape)}")
+        return a.reshape(-1).float().contiguous(), b.reshape(-1).float().contiguous()
+
+    # ---- decode ----------------------------------------------------------------------------
+
+    def fused_recurrent_kda(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        raw_g: torch.Tensor,
+        raw_beta: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        scale: float | None,
+        lower_bound: float | None,
+        state_cache: torch.Tensor,
+        state_indices: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decode step for N sequences: q, k, v, raw_g ``[N, H, D]`` (last dim
+        contiguous, any token / head strides), raw_beta ``[N, H]``. Reads and writes the
+        fp32 ``state_cache [slots, H, V, K]`` rows ``state_indices [N]``; a negative index
+        skips its sequence (zero output, no state touched). Returns ``out [N, H, V]``."""
+        op = "fused_recurrent_kda"
+        fn = self._op("recurrent")
+        D, dt = self.spec.head_dim, self.dtype
+        q = ck.tensor(op, "q", q, ndim=3, dtypes=(dt,), last_contiguous=True)
+        N, H = q.shape[0], q.shape[1]
+        shp = (N, H, D)
+        ck.tensor(op, "q", q, shape=shp)
+        for name, t in (("k", k), ("v", v), ("raw_g", raw_g)):
+            ck.tensor(op, name, t, shape=shp, dtypes=(dt,), last_contiguous=True)
+        ck.tensor(op, "raw_beta", raw_beta, shape=(N, H), dtypes=(dt,))
+        ck.tensor(op, "state_cache", state_cache, shape=(None, H, D, D), dtypes=(torch.float32,),
+                  contiguous=True)
+        ck.optional(op, "out", out, shape=shp, dtypes=(dt,), contiguous=True)
+        dev = self._gpu(op, q, "q")
+        ck.same_device(op, q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta, state_cache=state_cache,
+                       out=out)
+        idx = ck.indices(op, "state_indices", state_indices, N, state_cache.shape[0], dev)
+        a_log, bias = self._head_params(op, A_log, dt_bias, H, dev)
+        lb = self._gate(op, lower_bound)
+        if out is None:
+            out = _empty(N, H, D, dtype=dt, device=dev)
+        fn(q, k, v, raw_g, raw_beta, a_log, bias, state_cache,
+           idx.to(torch.int32).contiguous(), out, _scale(scale, D), lb)
+        return out
+
+    # ---- prefill: prologue -----------------------------------------------------------------
+
+    def fused_kda_prologue(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        raw_g: torch.Tensor,
+        raw_beta: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        scale: float | None,
+        lower_bound: float | None,
+        cu_seqlens: torch.Tensor,
+        conv_weight: torch.Tensor | None = None,
+        conv_state: torch.Tensor | None = None,
+        conv_state_indices: torch.Tensor | None = None,
+        conv_has_initial_state: torch.Tensor | None = None,
+        chunk_indices: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The whole chunk-path prologue in one launch (plus one for the conv-state
+        update). q/k/v/raw_g ``[1, T, H, D]`` may be strided last-dim views of one fused
+        projection; raw_beta ``[1, T, H]`` any strides. Returns ``qg, w, u`` ``[1, T, H, D]``,
+        ``kg_t [chunks, H, D, C]``, ``aqk [1, T, H, C]`` (scale folded in) and fp32
+        ``decay [chunks, H, D]``. With ``conv_weight [3*H*D, W]`` the raw bands first go
+        through the causal depthwise conv + SiLU, and ``conv_state [slots, 3*H*D, W-1]``
+        rows ``conv_state_indices`` are updated in place."""
+        op = "fused_kda_prologue"
+        fn = self._op("prologue")
+        D, C, dt = self.spec.head_dim, self.spec.chunk_size, self.dtype
+        q = ck.tensor(op, "q", q, ndim=4, dtypes=(dt,), last_contiguous=True)
+        if q.shape[0] != 1:
+            raise ck.ArgumentError(f"{op}: argument 'q' must have batch 1 (varlen layout "
+                                   f"[1, T, H, D]), got shape {tuple(q.shape)}")
+        T, H = q.shape[1], q.shape[2]
+        shp = (1, T, H, D)
+        ck.tensor(op, "q", q, shape=shp)
+        for name, t in (("k", k), ("v", v), ("raw_g", raw_g)):
+            ck.tensor(op, name, t, shape=shp, dtypes=(dt,), last_contiguous=True)
+        ck.tensor(op, "raw_beta", raw_beta, shape=(1, T, H), dtypes=(dt,))
+        dev = self._gpu(op, q, "q")
+        ck.same_device(op, q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta)
+        cu = ck.cu_seqlens(op, cu_seqlens, T, dev)
+        N = cu.numel() - 1
+        a_log, bias = self._head_params(op, A_log, dt_bias, H, dev)
+        lb = self._gate(op, lower_bound)
+        if conv_weight is not None:
+            W = self.spec.conv_width
+            if W == 0:
+                raise ck.ArgumentError(f"{op}: argument 'conv_weight' given, but {self.spec.name} "
+                                       "was built without the fused conv (conv_width: 0)")
+            ck.tensor(op, "conv_weight", conv_weight, shape=(3 * H * D, W), dtypes=(torch.float32,),
+                      device=dev, contiguous=True)
+            if conv_state is not None:
+                ck.tensor(op, "conv_state", conv_state, shape=(None, 3 * H * D, W - 1),
+                          dtypes=(torch.float32,), device=dev, contiguous=True)
+                if conv_state_indices is None:
+                    raise ck.ArgumentError(f"{op}: argument 'conv_state_indices' is required with "
+                                           "conv_state")
+                conv_state_indices = ck.indices(op, "conv_state_indices", conv_state_indices, N,
+                                                conv_state.shape[0], dev).to(torch.int32).contiguous()
+                if conv_has_initial_state is not None:
+                    ck.flags(op, "conv_has_initial_state", conv_has_initial_state, N, dev)
+            elif conv_state_indices is not None or conv_has_initial_state is not None:
+                raise ck.ArgumentError(f"{op}: argument 'conv_state_indices' / "
+                                       "'conv_has_initial_state' need conv_state")
+        elif conv_state is not None or conv_state_indices is not None:
+            raise ck.ArgumentError(f"{op}: argument 'conv_state' needs conv_weight")
+        if chunk_indices is None:
+            chunk_indices = prepare_chunk_indices(cu, C)
+        ci = ck.tensor(op, "chunk_indices", chunk_indices, ndim=2, dtypes=ck.INDEX_DTYPES, device=dev)
+        if ci.shape[1] != 2:
+            raise ck.ArgumentError(f"{op}: argument 'chunk_indices' must be [chunks, 2], got "
+                                   f"{tuple(ci.shape)}")
+        ci = ci.to(torch.int32).contiguous()
+        nchunks = ci.shape[0]
+
+        def like(last: int) -> torch.Tensor:
+            return _empty(1, T, H, last, dtype=dt, device=dev)
+
+        ws = dict(
+            qg=like(D), w=like(D), u=like(D),
+            kg_t=_empty(nchunks, H, D, C, dtype=dt, device=dev),
+            aqk=like(C),
+            decay=_empty(nchunks, H, D, dtype=torch.float32, device=dev),
+        )
+        fn(q, k, v, raw_g, raw_beta, a_log, bias, ws["qg"], ws["w"], ws["u"], ws["kg_t"], ws["aqk"],
+           ws["decay"], cu.to(torch.int32).contiguous(), ci, conv_weight, conv_state,
+           conv_state_indices, conv_has_initial_state, _scale(scale, D), lb)
+        return ws
+
+    # ---- prefill: chunk scan ---------------------------------------------------------------
+
+    def fused_kda_chunk(
+        self,
+        qg: torch.Tensor,
+        w: torch.Tensor,
+        u: torch.Tensor,
+        kg_t: torch.Tensor,
+        aqk: torch.Tensor,
+        decay: torch.Tensor,
+        out: torch.Tensor,
+        scale: float | None,
+        cu_seqlens: torch.Tensor,
+        initial_state: torch.Tensor | None,
+        output_final_state: bool,
+        chunk_offsets: torch.Tensor | None = None,
+        checkpoint_state: torch.Tensor | None = None,
+        checkpoint_offsets: torch.Tensor | None = None,
+        checkpoint_state_indices: torch.Tensor | None = None,
+        state_cache: torch.Tensor | None = None,
+        state_indices: torch.Tensor | None = None,
+        has_initial_state: torch.Tensor | None = None,
+        *,
+        groups: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk recurrence and the output projection. States are fp32 V-first
+        ``[N, H, V, K]``. ``state_cache [slots, H, V, K]`` with ``state_indices`` /
+        ``has_initial_state`` replaces ``initial_state`` / ``output_final_state``: each
+        sequence's row is read (or zero) and its final state written back in place, and
+        the returned final state is None. ``checkpoint_offsets [N]`` (multiples of the
+        chunk size, 0 = none) snapshot the state after that many tokens into
+        ``checkpoint_state`` row n, or row ``checkpoint_state_indices[n]`` (negative =
+        none). ``out`` may alias ``u``. ``groups`` overrides the chunk-group heuristic."""
+        op = "fused_kda_chunk"
+        fn = self._op("chunk")
+        if state_cache is not None:
+            if initial_state is not None or output_final_state:
+                raise ValueError("state_cache replaces initial_state/output_final_state")
+            if state_indices is None or has_initial_state is None:
+                raise ValueError("state_cache needs state_indices and has_initial_state")
+        D, C, dt = self.spec.head_dim, self.spec.chunk_size, self.dtype
+        qg = ck.tensor(op, "qg", qg, ndim=4, dtypes=(dt,), contiguous=True, aligned=16)
+        T, H = qg.shape[1], qg.shape[2]
+        shp = (1, T, H, D)
+        ck.tensor(op, "qg", qg, shape=shp)
+        for name, t in (("w", w), ("u", u), ("out", out)):
+            ck.tensor(op, name, t, shape=shp, dtypes=(dt,), contiguous=True, aligned=16)
+        kg = ck.tensor(op, "kg_t", kg_t, ndim=4, dtypes=(dt,), contiguous=True, aligned=16)
+        nchunks = kg.shape[0]
+        ck.tensor(op, "kg_t", kg_t, shape=(nchunks, H, D, C))
+        ck.tensor(op, "aqk", aqk, shape=(1, T, H, C), dtypes=(dt,), contiguous=True, aligned=16)
+        ck.tensor(op, "decay", decay, shape=(nchunks, H, D), dtypes=(torch.float32,), contiguous=True)
+        dev = self._gpu(op, qg, "qg")
+        ck.same_device(op, qg, w=w, u=u, kg_t=kg_t, aqk=aqk, decay=decay, out=out)
+        cu = ck.cu_seqlens(op, cu_seqlens, T, dev)
+        N = cu.numel() - 1
+        st = (N, H, D, D)
+        ck.optional(op, "initial_state", initial_state, shape=st, dtypes=(torch.float32,),
+                    device=dev, contiguous=True)
+        if state_cache is not None:
+            ck.tensor(op, "state_cache", state_cache, shape=(None, H, D, D), dtypes=(torch.float32,),
+                      device=dev, contiguous=True)
+            state_indices = ck.indices(op, "state_indices", state_indices, N, state_cache.shape[0],
+                                       dev).to(torch.int32).contiguous()
+            ck.flags(op, "has_initial_state", has_initial_state, N, dev)
+        elif state_indices is not None or has_initial_state is not None:
+            raise ck.ArgumentError(f"{op}: argument 'state_indices' / 'has_initial_state' need "
+                                   "state_cache")
+        if checkpoint_offsets is not None:
+            if checkpoint_state is None:
+                raise ck.ArgumentError(f"{op}: argument 'checkpoint_offsets' needs checkpoint_state")
+            ck.tensor(op, "checkpoint_state", checkpoint_state, shape=(None, H, D, D),
+                      dtypes=(torch.float32,), device=dev, contiguous=True)
+            offs = ck.tensor(op, "checkpoint_offsets", checkpoint_offsets, shape=(N,),
+                             dtypes=ck.INDEX_DTYPES, device=dev)
+            if checkpoint_state_indices is not None:
+                checkpoint_state_indices = ck.indices(
+                    op, "checkpoint_state_indices", checkpoint_state_indices, N,
+                    checkpoint_state.shape[0], dev).to(torch.int32).contiguous()
+            elif checkpoint_state.shape[0] < N:
+                raise ck.ArgumentError(f"{op}: argument 'checkpoint_state' needs a row per sequence "
+                                       f"({N}) without checkpoint_state_indices, got "
+                                       f"{checkpoint_state.shape[0]}")
+            if ck.values_checkable():
+                _check_checkpoints(op, offs, cu, C)
+            checkpoint_offsets = offs.to(torch.int32).contiguous()
+        elif checkpoint_state_indices is not None:
+            raise ck.ArgumentError(f"{op}: argument 'checkpoint_state_indices' needs "
+                                   "checkpoint_offsets")
+        cu32 = cu.to(torch.int32).contiguous()
+        if chunk_offsets is None:
+            chunk_offsets = prepare_chunk_offsets(cu32, C)
+        co = ck.tensor(op, "chunk_offsets", chunk_offsets, shape=(N + 1,), dtypes=ck.INDEX_DTYPES,
+                       device=dev).to(torch.int32).contiguous()
+
+        final_state = None
+        if output_final_state:
+            final_state = _empty(N, H, D, D, dtype=torch.float32, device=dev)
+        if groups is None:
+            bv = self.spec.block_width
+            groups = chunk_groups(nchunks // max(N, 1), N, H, num_compute_units(dev),
+                                  pass_one_blocks=2 * D // bv, pass_two_blocks=D // bv)
+        if groups < 1:
+            raise ck.ArgumentError(f"{op}: argument 'groups' must be >= 1, got {groups}")
+        workspace = group_workspace(groups, N * H, D, dev)
+        fn(qg, w, u, kg_t, aqk, decay, out, cu32, co, _scale(scale, D), initial_state, final_state,
+           workspace, int(groups), checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
+           state_cache, state_indices, has_initial_state)
+        return out, final_state
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty, or NaN-filled with KDAGEN_POISON=1 so tests see unwritten elements."""
+    if os.environ.get("KDAGEN_POISON", "") not in ("", "0"):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    return float(head_dim ** -0.5 if scale is None else scale)
+
+
+def _check_checkpoints(op: str, offs: torch.Tensor, cu: torch.Tensor, C: int) -> None:
+    o = offs.tolist()
+    lens = (cu[1:] - cu[:-1]).tolist()
+    for n, (x, ln) in enumerate(zip(o, lens)):
+        if x == 0:
+            continue
+        if x < 0 or x % C != 0:
+            raise ck.ArgumentError(f"{op}: argument 'checkpoint_offsets' [{n}] = {x} must be 0 or a "
+                                   f"positive multiple of the chunk size {C}")
+        if x > ln:
+            raise ck.ArgumentError(f"{op}: argument 'checkpoint_offsets' [{n}] = {x} is past the end "
+                                   f"of its sequence (length {ln})")

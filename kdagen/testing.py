@@ -1,0 +1,89 @@
+"""Random KDA inputs for tests and benchmarks (never zeros), and the error measure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KdaInputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor  # raw gate input, before dt_bias and the gate function
+    beta: torch.Tensor  # raw, before the sigmoid
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    cu_seqlens: torch.Tensor
+    lower_bound: float | None
+
+    @property
+    def lens(self) -> list[int]:
+        cu = self.cu_seqlens.tolist()
+        return [b - a for a, b in zip(cu, cu[1:])]
+
+    def args(self) -> tuple:
+        return (self.q, self.k, self.v, self.g, self.beta, self.A_log, self.dt_bias)
+
+
+def make_inputs(
+    lens: list[int],
+    heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    gate: str = "softplus",
+    strong_decay: bool = False,
+    lower_bound: float = -5.0,
+    seed: int = 0,
+    fused: bool = False,
+) -> KdaInputs:
+    """Varlen batch of ``lens`` tokens. ``strong_decay`` drives the softplus gate to
+    about -20 per step (and saturates the lower-bound gate). ``fused`` returns q, k, v,
+    g and beta as strided last-dim views of one projection, as a layer produces them."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    T, H, D = sum(lens), heads, head_dim
+
+    def rnd(*shape: int, s: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * s
+
+    if fused:
+        proj = rnd(1, T, H * (4 * D + 1))
+        q, k, v, g = (proj[..., i * H * D:(i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+        beta = proj[..., 4 * H * D:]
+    else:
+        q, k, v, g = rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D)
+        beta = rnd(1, T, H)
+    A_log = rnd(H, s=0.5)
+    dt_bias = rnd(H * D, s=0.5)
+    if strong_decay:
+        if gate == "softplus":
+            A_log = torch.full((H,), 1.0)  # exp(1) * softplus(x ~ 7.5) ~ 20
+            g = g * 0.5 + 7.5
+        else:
+            g = g * 0.5 + 4.0
+    g = g * 1.0
+    beta = beta * 2.0
+    cast = dict(dtype=dtype, device=device)
+    if fused:
+        # keep views of one buffer: scale in place on the projection, then view again
+        proj = torch.cat([x.flatten(-2) for x in (q, k, v, g)] + [beta], dim=-1).to(**cast)
+        q, k, v, g = (proj[..., i * H * D:(i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+        beta = proj[..., 4 * H * D:]
+    else:
+        q, k, v, g, beta = (x.to(**cast) for x in (q, k, v, g, beta))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32,
+                      device=device)
+    return KdaInputs(q, k, v, g, beta, A_log.to(device), dt_bias.to(device), cu,
+                     lower_bound if gate == "lower_bound" else None)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
+    o, r = out.double(), ref.double().to(out.device)
+    if not torch.isfinite(o).all():
+        return float("inf")
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: install the carried wheels, build every variant the GPU
+# tests need (one ninja graph, in parallel), run the GPU tests, run the benchmark,
+# and print a short table last.
+#
+#   bash scripts/gpu_check.sh [quick]      # quick: tests only, no benchmark
+#
+# On the device tool: run with carry [".whl"] (pydantic & co, fla-core wheels).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kdagen-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/kdagen-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/kdagen-site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export KDAGEN_CACHE_DIR=${KDAGEN_CACHE_DIR:-/tmp/kdagen-cache}
+export KDAGEN_JOBS=${KDAGEN_JOBS:-$(nproc)}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+
+t0=$(date +%s)
+python3 -m kdagen.cli variants examples/gpu_grid.yaml 2>&1 | tail -n 5 | tee "$OUT/build.log"
+build_rc=${PIPESTATUS[0]}
+t1=$(date +%s)
+tests_rc=1
+if [ "$build_rc" = 0 ]; then
+  python3 -m pytest tests -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  tests_rc=${PIPESTATUS[0]}
+fi
+t2=$(date +%s)
+bench_rc=skipped
+if [ "${1:-}" != quick ] && [ "$build_rc" = 0 ]; then
+  python3 -m kdagen.cli bench --reps "${KDAGEN_BENCH_REPS:-30}" --markdown "$OUT/bench.md" \
+    --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
+  bench_rc=${PIPESTATUS[0]}
+fi
+t3=$(date +%s)
+echo
+echo "== kdagen GPU check =="
+echo "build: rc=$build_rc ($((t1 - t0)) s); tests: rc=$tests_rc ($((t2 - t1)) s); bench: rc=$bench_rc ($((t3 - t2)) s)"
+grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
+[ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+exit 0
