@@ -93,7 +93,10 @@ def test_prologue(spec, dtype, gate, strong):
     want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
                                         cu_seqlens=x.cu_seqlens, chunk_size=C)
     for name in ("qg", "w", "u", "kg_t", "aqk", "decay"):
-        err = rel_err(got[name], want[name])
+        # the best an io-dtype output can be is the reference rounded to that dtype (fp16's
+        # exponent range flushes strongly decayed qg rows to zero)
+        best = want[name].to(got[name].dtype)
+        err = rel_err(got[name], best)
         assert err < BF16_TOL, f"{name}: rel err {err:.3e}"
 
 
