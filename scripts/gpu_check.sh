@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdagen-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT"; rm -f "$OUT/errors.jsonl"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/kdagen-site .whl/*.whl || exit 1
@@ -28,7 +28,7 @@ build_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
 tests_rc=1
 if [ "$build_rc" = 0 ]; then
-  python3 -m pytest tests -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  KDAGEN_RECORD="$OUT/errors.jsonl" python3 -m pytest tests -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
 t2=$(date +%s)

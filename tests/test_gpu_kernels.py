@@ -48,7 +48,7 @@ def lens_varlen(C: int) -> list[int]:
 ])
 @pytest.mark.parametrize("N", [1, 7, 33])
 @pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
-def test_recurrent(D, dtype, io, tol, N, gate):
+def test_recurrent(D, dtype, io, tol, N, gate, record):
     kern = kernels(head_dim=D, io_dtype=io, gate=gate, ops=["recurrent"])
     H, slots = 4, N + 5
     x = make_inputs([1] * N, H, D, dtype=dtype, gate=gate, seed=N * 7 + D)
@@ -66,6 +66,7 @@ def test_recurrent(D, dtype, io, tol, N, gate):
         *x.args(), lower_bound=x.lower_bound, cu_seqlens=torch.arange(N + 1, device=DEV),
         initial_state=init)
     live = (idx >= 0)
+    record(out=rel_err(out[live], o_ref[0][live]), state=rel_err(cache[idx[live]], s_ref[live]))
     assert rel_err(out[live], o_ref[0][live]) < tol
     assert torch.all(out[~live] == 0)
     assert rel_err(cache[idx[live]], s_ref[live]) < tol
@@ -84,7 +85,7 @@ def test_recurrent(D, dtype, io, tol, N, gate):
 ])
 @pytest.mark.parametrize("gate,strong", [("softplus", False), ("softplus", True),
                                          ("lower_bound", False), ("lower_bound", True)])
-def test_prologue(spec, dtype, gate, strong):
+def test_prologue(spec, dtype, gate, strong, record):
     kern = kernels(**spec, gate=gate)
     D, C = spec["head_dim"], spec["chunk_size"]
     x = make_inputs(lens_varlen(C), 3, D, dtype=dtype, gate=gate, strong_decay=strong,
@@ -97,6 +98,7 @@ def test_prologue(spec, dtype, gate, strong):
         # exponent range flushes strongly decayed qg rows to zero)
         best = want[name].to(got[name].dtype)
         err = rel_err(got[name], best)
+        record(output=name, err=err)
         assert err < BF16_TOL, f"{name}: rel err {err:.3e}"
 
 
@@ -115,7 +117,7 @@ def _prologue_ref(x, C, dtype):
     (dict(head_dim=128, chunk_size=32, block_width=64), torch.bfloat16),
 ])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_chunk_against_reference(spec, dtype, groups):
+def test_chunk_against_reference(spec, dtype, groups, record):
     kern = kernels(**spec)
     D, C = spec["head_dim"], spec["chunk_size"]
     x = make_inputs(lens_varlen(C) + [9 * C + 3], 2, D, dtype=dtype, seed=groups + D)
@@ -128,13 +130,14 @@ def test_chunk_against_reference(spec, dtype, groups):
     o_ref, s_ref, _ = ref.chunk_scan_reference(*(p[k] for k in ("qg", "w", "u", "kg_t", "aqk", "decay")),
                                                scale=D ** -0.5, cu_seqlens=x.cu_seqlens,
                                                chunk_size=C, initial_state=init)
+    record(out=rel_err(o, o_ref), state=rel_err(fin, s_ref))
     assert rel_err(o, o_ref) < BF16_TOL
     assert rel_err(fin, s_ref) < BF16_TOL
 
 
 @pytest.mark.parametrize("gate,strong", [("softplus", False), ("softplus", True),
                                          ("lower_bound", True)])
-def test_end_to_end_against_token_recurrence(gate, strong):
+def test_end_to_end_against_token_recurrence(gate, strong, record):
     kern = kernels(head_dim=128, gate=gate)
     x = make_inputs(lens_varlen(64), 2, 128, gate=gate, strong_decay=strong, seed=11 + strong)
     N = x.cu_seqlens.numel() - 1
@@ -145,11 +148,12 @@ def test_end_to_end_against_token_recurrence(gate, strong):
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
                                                   cu_seqlens=x.cu_seqlens, initial_state=init)
     assert torch.isfinite(o).all() and torch.isfinite(fin).all()
+    record(out=rel_err(o, o_ref), state=rel_err(fin, s_ref))
     assert rel_err(o, o_ref) < BF16_TOL
     assert rel_err(fin, s_ref) < BF16_TOL
 
 
-def test_every_group_count_matches_single_walk():
+def test_every_group_count_matches_single_walk(record):
     kern = kernels(head_dim=128)
     x = make_inputs([40 * 64 + 17, 64 * 9, 5], 2, 128, seed=5)
     p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
@@ -160,6 +164,7 @@ def test_every_group_count_matches_single_walk():
     for g in (2, 3, 4, 5, 8, 16, 32):
         o, s = kern.fused_kda_chunk(*(p[k] for k in ("qg", "w", "u", "kg_t", "aqk", "decay")),
                                     torch.empty_like(p["u"]), None, x.cu_seqlens, init, True, groups=g)
+        record(groups=g, out_vs_single=rel_err(o, base_o), state_vs_single=rel_err(s, base_s))
         assert rel_err(o, base_o) < 5e-3, g
         assert rel_err(s, base_s) < 5e-3, g
 
@@ -262,7 +267,7 @@ def test_fused_conv(has_state):
 
 
 @pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
-def test_kda_forward_matches_fla(gate):
+def test_kda_forward_matches_fla(gate, record):
     fla_kda = pytest.importorskip("fla.ops.kda")
     import kdagen
 
@@ -282,6 +287,8 @@ def test_kda_forward_matches_fla(gate):
     e_ours, e_fla = rel_err(o, o_ref), rel_err(of, o_ref)
     print(f"\n[{gate}] kdagen vs ref {e_ours:.2e}, fla vs ref {e_fla:.2e}, kdagen vs fla "
           f"{rel_err(o, of):.2e}, state {rel_err(s, s_ref):.2e} / {rel_err(sf, s_ref):.2e}")
+    record(kdagen_vs_ref=e_ours, fla_vs_ref=e_fla, kdagen_vs_fla=rel_err(o, of),
+           state_kdagen=rel_err(s, s_ref), state_fla=rel_err(sf, s_ref))
     assert e_ours < BF16_TOL
     assert rel_err(o, of) < 3e-2
     assert rel_err(s, sf) < 3e-2
