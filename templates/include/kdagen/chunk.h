@@ -160,16 +160,12 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       const mma::Frag s = mma::to_a<Io>(S[kt]);
+      const mma::Frag sneg = mma::neg(s);
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
-        const uint16_t* wrow = Ws + (16 * ct) * LDW + 16 * kt;
-        const mma::Frag bw = mma::load_b<Io>([&](int nn, int kk) { return -to_float<Io>(wrow[nn * LDW + kk]); });
-        mma::mma<Io>(vn[ct], s, bw);
-        if constexpr (kMode != kWalkPassOne) {
-          const uint16_t* qrow = Qs + (16 * ct) * LDW + 16 * kt;
-          const mma::Frag bq = mma::load_b<Io>([&](int nn, int kk) { return to_float<Io>(qrow[nn * LDW + kk]); });
-          mma::mma<Io>(o[ct], s, bq);
-        }
+        mma::mma<Io>(vn[ct], sneg, mma::load_b_smem(Ws + (16 * ct) * LDW + 16 * kt, LDW));
+        if constexpr (kMode != kWalkPassOne)
+          mma::mma<Io>(o[ct], s, mma::load_b_smem(Qs + (16 * ct) * LDW + 16 * kt, LDW));
       }
     }
     mma::Frag va[CT];
@@ -182,11 +178,8 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
       for (int ci = 0; ci < CT; ++ci) {
         mma::for_each(o[ci], [&](int, int, float& x) { x *= a.scale; });
 #pragma unroll
-        for (int cj = 0; cj <= ci; ++cj) {
-          const uint16_t* arow = As + (16 * ci) * LDC + 16 * cj;
-          const mma::Frag b = mma::load_b<Io>([&](int nn, int kk) { return to_float<Io>(arow[nn * LDC + kk]); });
-          mma::mma<Io>(o[ci], va[cj], b);
-        }
+        for (int cj = 0; cj <= ci; ++cj)
+          mma::mma<Io>(o[ci], va[cj], mma::load_b_smem(As + (16 * ci) * LDC + 16 * cj, LDC));
         mma::for_each(o[ci], [&](int r, int cc, float& x) {
           const int i = 16 * ci + cc;
           if (i < valid) out[(t0 + i) * row_hd + h * D + row0 + r] = from_float<Io>(x);
@@ -199,11 +192,8 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
     for (int kt = 0; kt < KT; ++kt) {
       mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
 #pragma unroll
-      for (int ct = 0; ct < CT; ++ct) {
-        const uint16_t* krow = KGs + (16 * kt) * LDC + 16 * ct;
-        const mma::Frag b = mma::load_b<Io>([&](int nn, int kk) { return to_float<Io>(krow[nn * LDC + kk]); });
-        mma::mma<Io>(S[kt], va[ct], b);
-      }
+      for (int ct = 0; ct < CT; ++ct)
+        mma::mma<Io>(S[kt], va[ct], mma::load_b_smem(KGs + (16 * kt) * LDC + 16 * ct, LDC));
     }
 
     // ---- mid-prefill checkpoint: the state after the first ck_tokens tokens ----------------

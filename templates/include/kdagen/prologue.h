@@ -34,10 +34,11 @@ struct PrologueLayout {
   static constexpr int LDK = D + Cfg::kPad16;    // k plane row stride (elements)
   static constexpr int kBytes = C * LDG * 4 + C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + 3 * C * 4;
   static_assert(C * LDL <= C * LDG, "the L plane must fit in the G plane");
+  static_assert(LDL % 4 == 0, "L rows are read as float4");
 };
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kPrologueThreads) prologue_kernel(PrologueArgs a) {
+__global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(PrologueArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   using Lay = PrologueLayout<Cfg>;
@@ -269,6 +270,8 @@ __global__ void __launch_bounds__(Cfg::kPrologueThreads) prologue_kernel(Prologu
   __syncthreads();
 
   // ---- phase 6: w = (I + L)^-1 (b k^ 2^G), u = (I + L)^-1 (b v): forward substitution ---
+  // By 16-row blocks: the rows of a block first take every earlier block's terms as 16
+  // independent accumulations (float4 reads of L), then solve inside the block.
   T* wout = static_cast<T*>(a.w);
   T* uout = static_cast<T*>(a.u);
   for (int col = tid; col < 2 * D; col += NT) {
@@ -276,12 +279,30 @@ __global__ void __launch_bounds__(Cfg::kPrologueThreads) prologue_kernel(Prologu
     const int d = is_w ? col : col - D;
     float y[C];
 #pragma unroll
-    for (int i = 0; i < C; ++i) {
-      float acc = 0.0f;
-      if (i < valid) acc = is_w ? to_float<Io>(Ks[i * LDK + d]) : bt[i] * input(2, i, d);
+    for (int b = 0; b < NB; ++b) {
+      float acc[16];
 #pragma unroll
-      for (int j = 0; j < i; ++j) acc -= Ls[i * LDL + j] * y[j];
-      y[i] = acc;
+      for (int r = 0; r < 16; ++r) {
+        const int i = 16 * b + r;
+        acc[r] = 0.0f;
+        if (i < valid) acc[r] = is_w ? to_float<Io>(Ks[i * LDK + d]) : bt[i] * input(2, i, d);
+      }
+#pragma unroll
+      for (int j = 0; j < 16 * b; j += 4) {
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          const float4 l = *reinterpret_cast<const float4*>(Ls + (16 * b + r) * LDL + j);
+          acc[r] -= l.x * y[j] + l.y * y[j + 1] + l.z * y[j + 2] + l.w * y[j + 3];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const float* lrow = Ls + (16 * b + r) * LDL + 16 * b;
+        float x = acc[r];
+#pragma unroll
+        for (int j = 0; j < r; ++j) x -= lrow[j] * y[16 * b + j];
+        y[16 * b + r] = x;
+      }
     }
     T* dst = is_w ? wout : uout;
 #pragma unroll

@@ -14,6 +14,11 @@ namespace kdagen {
 
 constexpr int kWaveSize = 64;
 
+// Occupancy hint: `threads` per block and at least `blocks` resident per CU. HIP's
+// second argument counts waves per SIMD (4 SIMDs per CU).
+#define KDAGEN_LAUNCH_BOUNDS(threads, blocks) \
+  __launch_bounds__((threads), ((blocks) * (threads) / 64 + 3) / 4)
+
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 63; }
 __device__ __forceinline__ int wave_id() { return threadIdx.x >> 6; }
 
@@ -65,6 +70,22 @@ template <DType T, class F> __device__ __forceinline__ Frag load_b(F&& f) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) b.x[j] = pack1<T>(f(n, 4 * q + j));
   return b;
+}
+
+// Straight from 16-bit LDS: A[row][k] at p[row * ld + k], B[k][n] at p[n * ld + k];
+// the four k of a lane are contiguous: one 64-bit load (ld a multiple of 4).
+__device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
+  Frag a;
+  a.x = *reinterpret_cast<const i16x4*>(p + (lane_id() & 15) * ld + 4 * (lane_id() >> 4));
+  return a;
+}
+
+__device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) { return load_a_smem(p, ld); }
+
+// -x for every element (16-bit floats: flip the sign bits; exact).
+__device__ __forceinline__ Frag neg(Frag f) {
+  f.x ^= static_cast<short>(0x8000);
+  return f;
 }
 
 template <DType T> __device__ __forceinline__ Frag to_a(const Acc& c) {

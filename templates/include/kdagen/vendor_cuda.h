@@ -7,6 +7,8 @@
 //   to_a(acc)  reuse an accumulator (row, col) as an A operand (row, k = col)
 //   mma(d,a,b) d += a * b
 //   for_each(acc, f) visits this lane's (row, col, value&)
+//   load_a_smem / load_b_smem  the same operands read straight from 16-bit LDS
+//   neg(frag)  the operand negated
 // Here a 16x16 tile is two m16n8 halves; lane = 4 * g + t.
 #pragma once
 
@@ -15,6 +17,9 @@
 namespace kdagen {
 
 constexpr int kWaveSize = 32;
+
+// Occupancy hint: `threads` per block and at least `blocks` resident per SM.
+#define KDAGEN_LAUNCH_BOUNDS(threads, blocks) __launch_bounds__((threads), (blocks))
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int wave_id() { return threadIdx.x >> 5; }
@@ -73,6 +78,36 @@ template <DType T, class F> __device__ __forceinline__ Frag load_b(F&& f) {
     b.r[2 * h + 1] = pack2<T>(f(8 * h + g, 2 * t + 8), f(8 * h + g, 2 * t + 9));
   }
   return b;
+}
+
+// Straight from 16-bit shared memory: A[row][k] at p[row * ld + k], B[k][n] at
+// p[n * ld + k] (k contiguous). ld must be even; each register is one 32-bit load.
+__device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  Frag a;
+  a.r[0] = *reinterpret_cast<const uint32_t*>(p + g * ld + 2 * t);
+  a.r[1] = *reinterpret_cast<const uint32_t*>(p + (g + 8) * ld + 2 * t);
+  a.r[2] = *reinterpret_cast<const uint32_t*>(p + g * ld + 2 * t + 8);
+  a.r[3] = *reinterpret_cast<const uint32_t*>(p + (g + 8) * ld + 2 * t + 8);
+  return a;
+}
+
+__device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  Frag b;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    b.r[2 * h] = *reinterpret_cast<const uint32_t*>(p + (8 * h + g) * ld + 2 * t);
+    b.r[2 * h + 1] = *reinterpret_cast<const uint32_t*>(p + (8 * h + g) * ld + 2 * t + 8);
+  }
+  return b;
+}
+
+// -x for every element (16-bit floats: flip the sign bits; exact).
+__device__ __forceinline__ Frag neg(Frag f) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f.r[i] ^= 0x80008000u;
+  return f;
 }
 
 // The accumulator layout of m16n8 is the A layout of m16n8k16: no data moves.
