@@ -87,6 +87,8 @@ def ceilings() -> tuple[float, float]:
 
 
 def commit() -> str:
+    if os.environ.get("KDAGEN_COMMIT"):
+        return os.environ["KDAGEN_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=os.path.dirname(__file__)).stdout.strip() or "?"

@@ -60,7 +60,7 @@ def tensor(
         _fail(op, name, f"must be contiguous, got strides {t.stride()}")
     if last_contiguous and t.dim() > 0 and t.size(-1) > 1 and t.stride(-1) != 1:
         _fail(op, name, f"must have a contiguous last dim, got strides {t.stride()}")
-    if aligned and t.numel() > 0 and t.data_ptr() % aligned != 0:
+    if aligned and t.numel() > 0 and not tracing() and t.data_ptr() % aligned != 0:
         _fail(op, name, f"must start on a {aligned}-byte boundary (a view at an odd offset?)")
     return t
 
@@ -69,15 +69,20 @@ def optional(op: str, name: str, t: object, **kw: object) -> torch.Tensor | None
     return None if t is None else tensor(op, name, t, **kw)  # type: ignore[arg-type]
 
 
+def tracing() -> bool:
+    """True inside torch.compile / export tracing (tensors may be fake there)."""
+    try:
+        return bool(torch.compiler.is_compiling())
+    except AttributeError:  # pragma: no cover - old torch
+        return False
+
+
 def values_checkable() -> bool:
     """False while capturing a CUDA graph or tracing, where reading values would sync."""
+    if tracing():
+        return False
     if os.environ.get("KDAGEN_CHECK_VALUES", "1") == "0":
         return False
-    try:
-        if torch.compiler.is_compiling():
-            return False
-    except AttributeError:  # pragma: no cover - old torch
-        pass
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
     return True

@@ -57,15 +57,20 @@ def make_inputs(
     else:
         q, k, v, g = rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D)
         beta = rnd(1, T, H)
-    A_log = rnd(H, s=0.5)
-    dt_bias = rnd(H * D, s=0.5)
+    # Realistic gates: per-channel decay from about -1e-3 to -1 per step, so that many
+    # channels remember across several chunks (a test of the cross-chunk state).
+    if gate == "softplus":
+        A_log = rnd(H, s=0.3) - 3.0
+        dt_bias = rnd(H * D, s=1.5) - 2.0
+    else:
+        A_log = rnd(H, s=0.3)
+        dt_bias = rnd(H * D, s=1.5) - 5.0
     if strong_decay:
         if gate == "softplus":
             A_log = torch.full((H,), 1.0)  # exp(1) * softplus(x ~ 7.5) ~ 20
             g = g * 0.5 + 7.5
         else:
             g = g * 0.5 + 4.0
-    g = g * 1.0
     beta = beta * 2.0
     cast = dict(dtype=dtype, device=device)
     if fused:

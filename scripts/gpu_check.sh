@@ -9,7 +9,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdagen-out}
-mkdir -p "$OUT"; rm -f "$OUT/errors.jsonl"
+LOGS=${LOGS:-/tmp/kdagen-logs}
+mkdir -p "$OUT" "$LOGS"; rm -f "$OUT/errors.jsonl"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/kdagen-site .whl/*.whl || exit 1
@@ -23,25 +24,39 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 t0=$(date +%s)
-python3 -m kdagen.cli variants examples/gpu_grid.yaml 2>&1 | tail -n 5 | tee "$OUT/build.log"
+python3 -m kdagen.cli variants examples/gpu_grid.yaml 2>&1 | tail -n 5 | tee "$LOGS/build.log"
 build_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
 tests_rc=1
 if [ "$build_rc" = 0 ]; then
-  KDAGEN_RECORD="$OUT/errors.jsonl" python3 -m pytest tests -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  KDAGEN_RECORD="$OUT/errors.jsonl" python3 -m pytest tests -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$LOGS/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
+  python3 examples/prefill_decode.py 2>&1 | tee "$LOGS/examples.log"; python3 examples/kda_layer.py 2>&1 | tee -a "$LOGS/examples.log"
+  [ -f "$OUT/errors.jsonl" ] && python3 scripts/summarize_errors.py "$OUT/errors.jsonl" > "$OUT/validation.md"
 fi
 t2=$(date +%s)
+san_rc=skipped
+if [ "${KDAGEN_SANITIZE:-1}" = 1 ] && [ "$build_rc" = 0 ] && command -v compute-sanitizer >/dev/null; then
+  san_rc=""
+  for tool in memcheck racecheck synccheck; do
+    timeout 110 compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
+      python3 scripts/sanitize_ops.py > "$LOGS/sanitizer_$tool.log" 2>&1
+    rc=$?; san_rc="$san_rc $tool=$rc"
+    tail -n 3 "$LOGS/sanitizer_$tool.log"
+  done
+fi
 bench_rc=skipped
 if [ "${1:-}" != quick ] && [ "$build_rc" = 0 ]; then
   python3 -m kdagen.cli bench --reps "${KDAGEN_BENCH_REPS:-30}" --markdown "$OUT/bench.md" \
-    --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
+    --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$LOGS/bench.log"
   bench_rc=${PIPESTATUS[0]}
 fi
 t3=$(date +%s)
 echo
 echo "== kdagen GPU check =="
-echo "build: rc=$build_rc ($((t1 - t0)) s); tests: rc=$tests_rc ($((t2 - t1)) s); bench: rc=$bench_rc ($((t3 - t2)) s)"
-grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
+echo "build: rc=$build_rc ($((t1 - t0)) s); tests: rc=$tests_rc ($((t2 - t1)) s); sanitizer:$san_rc; bench: rc=$bench_rc ($((t3 - t2)) s)"
+grep -E "passed|failed|error" "$LOGS/gpu_tests.log" 2>/dev/null | tail -n 3
+[ -f "$OUT/validation.md" ] && cat "$OUT/validation.md"
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 exit 0

@@ -1,0 +1,52 @@
+"""Run every op once on small varlen inputs with partial chunks, for compute-sanitizer
+(memcheck, racecheck, synccheck): recurrent, prologue (with and without the fused conv),
+chunk with 1 and 4 groups, paged cache, checkpoints."""
+
+from __future__ import annotations
+
+import torch
+
+import kdagen
+from kdagen.jit import device_target
+from kdagen.testing import make_inputs
+
+OPS = ("qg", "w", "u", "kg_t", "aqk", "decay")
+
+
+def main() -> None:
+    t = device_target()
+    kern = kdagen.load({"head_dim": 128, "target": t})
+    conv = kdagen.load({"head_dim": 128, "conv_width": 4, "target": t})
+    rec = kdagen.load({"head_dim": 128, "ops": ["recurrent"], "target": t})
+    H = 2
+    x = make_inputs([1, 63, 64, 65, 300], H, 128, seed=0)
+    N = 5
+    p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+    for groups in (1, 4):
+        kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None, x.cu_seqlens,
+                             torch.randn(N, H, 128, 128, device="cuda"), True, groups=groups)
+        cache = torch.randn(8, H, 128, 128, device="cuda")
+        ck = torch.zeros(3, H, 128, 128, device="cuda")
+        kern.fused_kda_chunk(*(p[k] for k in OPS), p["u"], None, x.cu_seqlens, None, False,
+                             state_cache=cache,
+                             state_indices=torch.tensor([7, 1, 0, 3, 5], dtype=torch.int32, device="cuda"),
+                             has_initial_state=torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool, device="cuda"),
+                             checkpoint_state=ck,
+                             checkpoint_offsets=torch.tensor([0, 0, 64, 64, 256], dtype=torch.int32, device="cuda"),
+                             checkpoint_state_indices=torch.tensor([-1, -1, 0, 1, 2], dtype=torch.int32, device="cuda"),
+                             groups=groups)
+    state = torch.randn(6, 3 * H * 128, 3, device="cuda")
+    conv.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens,
+                            conv_weight=torch.randn(3 * H * 128, 4, device="cuda"), conv_state=state,
+                            conv_state_indices=torch.tensor([0, 2, -1, 4, 5], dtype=torch.int32, device="cuda"),
+                            conv_has_initial_state=torch.tensor([1, 0, 1, 1, 1], dtype=torch.bool, device="cuda"))
+    y = make_inputs([1] * N, H, 128, seed=1)
+    cache = torch.randn(8, H, 128, 128, device="cuda")
+    rec.fused_recurrent_kda(*(a[0] for a in y.args()[:5]), y.A_log, y.dt_bias, None, None, cache,
+                            torch.tensor([3, -1, 0, 7, 1], dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    print("sanitize_ops: all ops ran")
+
+
+if __name__ == "__main__":
+    main()
