@@ -75,7 +75,7 @@ def test_cuda_graph_replay_with_new_cu_seqlens():
     H = 2
     x = make_inputs([128, 64], H, 128, seed=4)
     cu = x.cu_seqlens.clone()
-    ci = prepare_chunk_indices(cu, 64)  # 3 chunks either way below
+    ci = prepare_chunk_indices(cu, 64)
     init = torch.randn(2, H, 128, 128, device=DEV) * 0.1
 
     def step():
@@ -88,7 +88,7 @@ def test_cuda_graph_replay_with_new_cu_seqlens():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o_g, s_g = step()
-    for lens in ([64, 128], [100, 92], [128, 64]):
+    for lens in ([64, 128], [0, 192], [192, 0], [128, 64]):  # 3 chunks each
         new_cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=DEV)
         cu.copy_(new_cu)
         ci.copy_(prepare_chunk_indices(new_cu, 64))
