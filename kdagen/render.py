@@ -98,6 +98,8 @@ def render(spec: KernelSpec) -> Rendered:
         target=t,
         vendor_header="vendor_cuda.h" if t.vendor == "nvidia" else "vendor_cdna.h",
         io_enum=IO_ENUM[spec.io_dtype],
+        stage_q=resources.prologue_stages_q(spec.head_dim, spec.chunk_size, spec.io_dtype,
+                                            t.shared_mem),
         pad16=resources.PAD_16BIT,
         pad32=resources.PAD_FP32,
         recurrent_rows=resources.RECURRENT_ROWS_PER_BLOCK,

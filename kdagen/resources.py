@@ -33,12 +33,18 @@ class Footprint:
     shared_mem: int
 
 
-def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str) -> Footprint:
-    """G (fp32, later reused for L) + k (io dtype) + three per-row fp32 vectors."""
+def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str,
+                       stage_q: bool = False) -> Footprint:
+    """G (fp32, later reused for L) + k (io dtype) [+ q] + three per-row fp32 vectors."""
     c, d = chunk_size, head_dim
     g_plane = c * (d + PAD_FP32) * 4
-    k_plane = c * (d + PAD_16BIT) * IO_BYTES[io_dtype]
-    return Footprint(PROLOGUE_THREADS, g_plane + k_plane + 3 * c * 4)
+    row_plane = c * (d + PAD_16BIT) * IO_BYTES[io_dtype]
+    return Footprint(PROLOGUE_THREADS, g_plane + (2 if stage_q else 1) * row_plane + 3 * c * 4)
+
+
+def prologue_stages_q(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> bool:
+    """Whether the target's LDS also holds the chunk's q rows (then q is read once)."""
+    return prologue_footprint(head_dim, chunk_size, io_dtype, True).shared_mem <= shared_mem
 
 
 def chunk_footprint(

@@ -61,7 +61,9 @@ class KernelSpec(BaseModel):
     def _default_block_width(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("block_width") is None:
             d = data.get("head_dim", 128)
-            data = {**data, "block_width": min(128, d) if isinstance(d, int) else 128}
+            if isinstance(d, float) and d.is_integer():
+                d = int(d)
+            data = {**data, "block_width": min(128, d) if isinstance(d, int) and d > 0 else 128}
         return data
 
     @model_validator(mode="after")
@@ -183,13 +185,26 @@ def load_yaml(path: Path) -> Any:
         text = path.read_text()
     except OSError as e:
         raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a UTF-8 text file") from None
     try:
-        return yaml.safe_load(text) or {}
+        data = yaml.safe_load(text)
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow: no mark, a position
+        pos = int(getattr(e, "position", 0))
+        line = text.count("\n", 0, pos) + 1
+        col = pos - (text.rfind("\n", 0, pos) + 1) + 1
+        raise SpecError(f"{path}: line {line}, column {col}: malformed YAML: "
+                        f"{e.reason} character {e.character!r}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise SpecError(f"{path}:{where}: malformed YAML: {problem}") from None
+        where = f": line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"{path}{where}: malformed YAML: {problem}") from None
+    except RecursionError:
+        raise SpecError(f"{path}: malformed YAML: nested too deeply") from None
+    except Exception as e:  # PyYAML's constructors raise ValueError, KeyError, ... on bad tags
+        raise SpecError(f"{path}: malformed YAML: {type(e).__name__}: {e}") from None
+    return {} if data is None else data
 
 
 def _describe(err: ValidationError, source: str) -> str:

@@ -58,6 +58,8 @@ def expand(grid: dict[str, Any], *, pattern: str | None = None, source: str = "g
         if not isinstance(values, list) or not values:
             raise SpecError(f"{source}: grid field {key!r} must be a non-empty list, got {values!r}")
     pattern = pattern or grid.get("filter")
+    if pattern is not None and not isinstance(pattern, str):
+        raise SpecError(f"{source}: 'filter' must be a name pattern string, got {pattern!r}")
     names = list(axes)
     specs: list[KernelSpec] = []
     pruned: list[tuple[dict[str, Any], str]] = []

@@ -32,7 +32,9 @@ struct PrologueLayout {
   static constexpr int LDG = D + Cfg::kPadFp32;  // G plane row stride (floats)
   static constexpr int LDL = C + Cfg::kPadFp32;  // L plane row stride (floats), inside G's space
   static constexpr int LDK = D + Cfg::kPad16;    // k plane row stride (elements)
-  static constexpr int kBytes = C * LDG * 4 + C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + 3 * C * 4;
+  static constexpr int kPlanes = Cfg::kStageQ ? 2 : 1;  // k, and q where LDS allows
+  static constexpr int kBytes =
+      C * LDG * 4 + kPlanes * C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + 3 * C * 4;
   static_assert(C * LDL <= C * LDG, "the L plane must fit in the G plane");
   static_assert(LDL % 4 == 0, "L rows are read as float4");
 };
@@ -55,7 +57,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   float* Gs = reinterpret_cast<float*>(smem);
   float* Ls = Gs;
   T* Ks = reinterpret_cast<T*>(Gs + C * LDG);
-  float* rk = reinterpret_cast<float*>(Ks + C * LDK);
+  T* Qs = Ks + C * LDK;  // only with kStageQ
+  float* rk = reinterpret_cast<float*>(Ks + Lay::kPlanes * C * LDK);
   float* rq = rk + C;
   float* bt = rq + C;
 
@@ -97,16 +100,56 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     }
   };
 
-  // ---- phase 1: k rows, norms, beta, cumulative gate ----------------------------------
-  for (int e = tid; e < C * D; e += NT) {
-    const int i = e / D, d = e % D;
-    Ks[i * LDK + d] = from_float<Io>(i < valid ? input(1, i, d) : 0.0f);
-  }
+  // Stage a band's chunk rows into an LDS plane: 16-byte loads, all in flight at once,
+  // when the rows are plain and aligned; element by element through input() otherwise.
+  auto stage = [&](T* dst, int band) {
+    const Strided& s = band == 0 ? a.q : (band == 1 ? a.k : a.v);
+    constexpr int VEC = 16 / static_cast<int>(sizeof(T));
+    constexpr int PER_ROW = D / VEC, ITERS = (C * PER_ROW + NT - 1) / NT;
+    const T* base = static_cast<const T*>(s.ptr) + static_cast<int64_t>(t0) * s.token +
+                    static_cast<int64_t>(h) * s.head;
+    const bool plain = (Cfg::kConvWidth == 0 || a.conv_weight == nullptr) &&
+                       reinterpret_cast<uintptr_t>(base) % 16 == 0 && s.token % VEC == 0;
+    if (plain) {
+      uint4 buf[ITERS];
+#pragma unroll
+      for (int m = 0; m < ITERS; ++m) {
+        const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
+        buf[m] = make_uint4(0, 0, 0, 0);
+        if (e < C * PER_ROW && i < valid)
+          buf[m] = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(i) * s.token + c);
+      }
+#pragma unroll
+      for (int m = 0; m < ITERS; ++m) {
+        const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
+        if (e < C * PER_ROW) *reinterpret_cast<uint4*>(dst + i * LDK + c) = buf[m];
+      }
+    } else {
+      for (int e = tid; e < C * D; e += NT) {
+        const int i = e / D, d = e % D;
+        dst[i * LDK + d] = from_float<Io>(i < valid ? input(band, i, d) : 0.0f);
+      }
+    }
+  };
+  // q (conv applied) from the LDS plane where it is staged, else from global memory.
+  auto qval = [&](int i, int d) -> float {
+    if constexpr (Cfg::kStageQ) return to_float<Io>(Qs[i * LDK + d]);
+    else return input(0, i, d);
+  };
+
+  // ---- phase 1: k (and q) rows, norms, beta, cumulative gate ---------------------------
+  stage(Ks, 1);
+  if constexpr (Cfg::kStageQ) stage(Qs, 0);
+  for (int i = tid; i < C; i += NT)
+    bt[i] = i < valid ? sigmoid(to_float<Io>(static_cast<const T*>(a.beta.ptr)[
+                            static_cast<int64_t>(t0 + i) * a.beta.token +
+                            static_cast<int64_t>(h) * a.beta.head]))
+                      : 0.0f;
   for (int d = tid; d < D; d += NT) {
     const float a_exp = __expf(a.a_log[h]);
     const float bias = a.dt_bias[h * D + d];
     float acc = 0.0f;
-#pragma unroll 8
+#pragma unroll 16
     for (int i = 0; i < C; ++i) {
       if (i < valid)
         acc += gate_log2<Cfg::kLowerBound>(raw(a.g, t0 + i, d) + bias, a_exp, a.lower_bound);
@@ -118,7 +161,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     float qq = 0.0f, kk = 0.0f;
     if (i < valid) {
       for (int d = lane; d < D; d += kWaveSize) {
-        const float kx = to_float<Io>(Ks[i * LDK + d]), qx = input(0, i, d);
+        const float kx = to_float<Io>(Ks[i * LDK + d]), qx = qval(i, d);
         kk += kx * kx;
         qq += qx * qx;
       }
@@ -128,10 +171,6 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     if (lane == 0) {
       rk[i] = i < valid ? rnorm(kk) : 0.0f;
       rq[i] = i < valid ? rnorm(qq) : 0.0f;
-      bt[i] = i < valid ? sigmoid(to_float<Io>(static_cast<const T*>(a.beta.ptr)[
-                              static_cast<int64_t>(t0 + i) * a.beta.token +
-                              static_cast<int64_t>(h) * a.beta.head]))
-                        : 0.0f;
     }
   }
   __syncthreads();
@@ -142,7 +181,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   for (int e = tid; e < valid * D; e += NT) {
     const int i = e / D, d = e % D;
     qg[(t0 + i) * row_hd + h * D + d] =
-        from_float<Io>(input(0, i, d) * rq[i] * exp2f(Gs[i * LDG + d]));
+        from_float<Io>(qval(i, d) * rq[i] * exp2f(Gs[i * LDG + d]));
   }
   T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
   for (int e = tid; e < D * C; e += NT) {
@@ -183,7 +222,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       });
       const mma::Frag aq = mma::load_a<Io>([&](int r, int c) {
         const int i = 16 * bi + r, d = 16 * kt + c;
-        return i < valid ? input(0, i, d) * exp2f(Gs[i * LDG + d] - gref[c]) : 0.0f;
+        return i < valid ? qval(i, d) * exp2f(Gs[i * LDG + d] - gref[c]) : 0.0f;
       });
       const mma::Frag b = mma::load_b<Io>([&](int nn, int c) {
         const int j = 16 * bj + nn, d = 16 * kt + c;
@@ -211,7 +250,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     for (int e = 0; e < PER; ++e) {
       const int d = lane + e * kWaveSize;
       const bool in = d < D;
-      qi[e] = in ? input(0, i, d) : 0.0f;
+      qi[e] = in ? qval(i, d) : 0.0f;
       ki[e] = in ? to_float<Io>(Ks[i * LDK + d]) : 0.0f;
       gi[e] = in ? Gs[i * LDG + d] : 0.0f;
     }

@@ -1,0 +1,322 @@
+"""Rendering: deterministic, strict, the spec's constants and vendor layer, ops subsets,
+and the committed generated/ folder being current. No compiler is run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from kdagen import resources
+from kdagen.generated import GENERATED, check_generated, shipped_specs
+from kdagen.render import (
+    BINDING_SOURCE, KERNEL_SOURCE, _env, header_files, render, symbol_prefix, templates_digest,
+    templates_dir,
+)
+from kdagen.spec import KernelSpec
+
+REPO = Path(__file__).resolve().parent.parent
+
+SPECS = {
+    "default": {},
+    "gfx942_lb_conv4": {"target": "gfx942", "gate": "lower_bound", "conv_width": 4},
+    "d64_c32_fp16_gfx90a": {"head_dim": 64, "chunk_size": 32, "block_width": 32, "io_dtype": "fp16",
+                            "target": "gfx90a"},
+    "rec_fp32_d256": {"head_dim": 256, "io_dtype": "fp32", "ops": ["recurrent"]},
+    "pro_chu_gfx950": {"head_dim": 256, "ops": ["prologue", "chunk"], "target": "gfx950"},
+}
+
+
+def files_digest(files: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def kernels(fields) -> str:
+    return render(KernelSpec.parse(fields)).files[KERNEL_SOURCE]
+
+
+def binding(fields) -> str:
+    return render(KernelSpec.parse(fields)).files[BINDING_SOURCE]
+
+
+# ---- determinism --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", list(SPECS))
+def test_render_twice_is_identical(key):
+    spec = KernelSpec.parse(SPECS[key])
+    a, b = render(spec), render(spec)
+    assert a.files == b.files
+    assert a.spec == spec
+    # an equivalent spec written differently renders the same bytes
+    assert render(KernelSpec.parse(spec.canonical())).files == a.files
+
+
+def test_render_identical_in_a_fresh_process():
+    code = (
+        "import hashlib, json, sys\n"
+        "from kdagen.spec import KernelSpec\n"
+        "from kdagen.render import render\n"
+        "out = {}\n"
+        "for k, d in json.loads(sys.argv[1]).items():\n"
+        "    f = render(KernelSpec.parse(d)).files\n"
+        "    out[k] = hashlib.sha256(json.dumps(f, sort_keys=True).encode()).hexdigest()\n"
+        "print(json.dumps(out))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONHASHSEED="777")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(SPECS)], capture_output=True,
+                         text=True, env=env, cwd=str(REPO), timeout=60)
+    assert out.returncode == 0, out.stderr
+    theirs = json.loads(out.stdout)
+    ours = {k: files_digest(render(KernelSpec.parse(d)).files) for k, d in SPECS.items()}
+    assert theirs == ours
+    assert len(set(ours.values())) == len(ours)  # different specs, different sources
+
+
+def test_templates_digest_stable_and_covers_templates():
+    d = templates_digest()
+    assert re.fullmatch(r"[0-9a-f]{64}", d)
+    assert templates_digest() == d
+    root = templates_dir()
+    assert (root / "kernels.hip.j2").is_file() and (root / "binding.cpp.j2").is_file()
+
+
+# ---- StrictUndefined ----------------------------------------------------------------
+
+
+def test_env_is_strict():
+    env = _env(str(templates_dir()))
+    assert env.undefined is jinja2.StrictUndefined
+    with pytest.raises(jinja2.UndefinedError, match="missing_variable"):
+        env.from_string("x = {{ missing_variable }};").render()
+    # attribute of a defined object
+    with pytest.raises(jinja2.UndefinedError):
+        env.from_string("{{ spec.no_such_field }}").render(spec=KernelSpec.parse({}))
+    assert env.from_string("x = {{ y }};").render(y=3) == "x = 3;"
+
+
+def test_tiny_template_from_a_loader_with_the_same_settings(tmp_path):
+    (tmp_path / "t.j2").write_text("static constexpr int kX = {{ x }};\n")
+    env = _env(str(templates_dir())).overlay(loader=jinja2.FileSystemLoader(str(tmp_path)))
+    assert env.get_template("t.j2").render(x=5) == "static constexpr int kX = 5;\n"
+    with pytest.raises(jinja2.UndefinedError, match="'x' is undefined"):
+        env.get_template("t.j2").render()
+
+
+@pytest.mark.parametrize("template", ["kernels.hip.j2", "binding.cpp.j2"])
+def test_real_templates_refuse_an_incomplete_context(template):
+    env = _env(str(templates_dir()))
+    spec = KernelSpec.parse({})
+    with pytest.raises(jinja2.UndefinedError):
+        env.get_template(template).render(spec=spec, spec_items=sorted(spec.canonical().items()))
+
+
+# ---- content ------------------------------------------------------------------------
+
+
+def constexprs(text: str) -> dict[str, str]:
+    return dict(re.findall(r"static constexpr (?:int|bool|DType) (\w+) = ([^;]+);", text))
+
+
+def test_default_constexprs():
+    c = constexprs(kernels({}))
+    assert c == {
+        "kHeadDim": "128",
+        "kChunk": "64",
+        "kBlockV": "128",
+        "kIo": "DType::kBF16",
+        "kLowerBound": "false",
+        "kConvWidth": "0",
+        "kStageQ": "true",  # sm_90's shared memory holds the q rows too
+        "kPad16": str(resources.PAD_16BIT),
+        "kPadFp32": str(resources.PAD_FP32),
+        "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
+        "kRecurrentWaves": str(resources.RECURRENT_WAVES),
+        "kPrologueThreads": str(resources.PROLOGUE_THREADS),
+        "kScanThreads": str(resources.SCAN_THREADS),
+        "kScanRows": str(resources.SCAN_ROWS),
+    }
+    assert "static constexpr int kHeadDim = 128;" in kernels({})
+
+
+def test_q_staging_follows_the_target_lds():
+    assert constexprs(kernels({}))["kStageQ"] == "true"
+    assert constexprs(kernels({"target": "gfx942"}))["kStageQ"] == "false"  # 64 KB LDS
+
+
+def test_nondefault_constexprs():
+    c = constexprs(kernels({"head_dim": 64, "chunk_size": 32, "block_width": 32, "io_dtype": "fp16",
+                            "gate": "lower_bound", "conv_width": 3, "target": "gfx90a"}))
+    assert (c["kHeadDim"], c["kChunk"], c["kBlockV"]) == ("64", "32", "32")
+    assert c["kIo"] == "DType::kFP16"
+    assert c["kLowerBound"] == "true"
+    assert c["kConvWidth"] == "3"
+    assert constexprs(kernels({"io_dtype": "fp32", "ops": ["recurrent"]}))["kIo"] == "DType::kFP32"
+
+
+def test_spec_recorded_in_the_header_comment():
+    spec = KernelSpec.parse(SPECS["gfx942_lb_conv4"])
+    text = render(spec).files[KERNEL_SOURCE]
+    for key, value in spec.canonical().items():
+        assert f"//   {key}: {value}\n" in text
+    assert f"// variant {spec.name}, target gfx942 (AMD Instinct MI300 (CDNA3))," in text
+    assert "wave 64, matrix unit mfma." in text
+
+
+@pytest.mark.parametrize("target, vendor, other", [
+    ("sm_90", "vendor_cuda.h", "vendor_cdna.h"),
+    ("gfx90a", "vendor_cdna.h", "vendor_cuda.h"),
+    ("gfx942", "vendor_cdna.h", "vendor_cuda.h"),
+    ("gfx950", "vendor_cdna.h", "vendor_cuda.h"),
+])
+def test_vendor_header(target, vendor, other):
+    text = kernels({"target": target})
+    assert f'#include "kdagen/{vendor}"' in text
+    assert f'#include "kdagen/{other}"' not in text
+    assert text.index('#include "kdagen/platform.h"') < text.index(f'#include "kdagen/{vendor}"')
+
+
+def test_rendered_folder_is_self_contained():
+    files = render(KernelSpec.parse({})).files
+    headers = header_files()
+    assert {"kdagen/chunk.h", "kdagen/prologue.h", "kdagen/recurrent.h", "kdagen/platform.h",
+            "kdagen/vendor_cuda.h", "kdagen/vendor_cdna.h", "kdagen/launch_args.h"} <= set(headers)
+    assert set(files) == {KERNEL_SOURCE, BINDING_SOURCE} | {f"include/{h}" for h in headers}
+    root = templates_dir() / "include"
+    for rel, text in headers.items():
+        assert files[f"include/{rel}"] == (root / rel).read_text()
+    # every quoted include of the rendered sources resolves inside the folder
+    for src in (KERNEL_SOURCE, BINDING_SOURCE):
+        for inc in re.findall(r'#include "([^"]+)"', files[src]):
+            assert f"include/{inc}" in files, (src, inc)
+
+
+def test_symbols_carry_the_variant_name():
+    spec = KernelSpec.parse({"target": "gfx942", "gate": "lower_bound"})
+    sym = symbol_prefix(spec)
+    assert sym == "kdagen_kda_d128_c64_bv128_bf16_lb_gfx942"
+    files = render(spec).files
+    for op in ("recurrent", "prologue", "chunk"):
+        assert f"int {sym}_{op}(const kdagen::" in files[KERNEL_SOURCE]
+        assert f'm.def("{spec.name}_{op}(' in files[BINDING_SOURCE]
+        assert f'm.impl("{spec.name}_{op}", &{op});' in files[BINDING_SOURCE]
+    assert f"const char* {sym}_error_string(int code)" in files[KERNEL_SOURCE]
+
+
+OPS_CASES = [["recurrent"], ["prologue"], ["chunk"], ["recurrent", "chunk"], ["prologue", "chunk"],
+             ["recurrent", "prologue", "chunk"]]
+STRUCTS = {"recurrent": "RecurrentArgs", "prologue": "PrologueArgs", "chunk": "ChunkArgs"}
+
+
+@pytest.mark.parametrize("ops", OPS_CASES, ids=["+".join(o) for o in OPS_CASES])
+def test_ops_subset_renders_only_those_ops(ops):
+    spec = KernelSpec.parse({"ops": ops})
+    sym, name = symbol_prefix(spec), spec.name
+    files = render(spec).files
+    k, b = files[KERNEL_SOURCE], files[BINDING_SOURCE]
+    for op in ("recurrent", "prologue", "chunk"):
+        present = op in ops
+        s = STRUCTS[op]
+        # kernel header include and launcher
+        assert (f'#include "kdagen/{op}.h"' in k) == present, op
+        assert (f"int {sym}_{op}(const kdagen::{s}* a, void* stream) {{" in k) == present, op
+        # binding: extern declaration, host wrapper, schema and impl
+        assert (f"int {sym}_{op}(const kdagen::{s}* a, void* stream);" in b) == present, op
+        assert (f'm.def("{name}_{op}(' in b) == present, op
+        assert (f'm.impl("{name}_{op}", &{op});' in b) == present, op
+        assert (f"kdagen::{s} a{{}};" in b) == present, op
+        assert (f"check_launch({sym}_{op}(&a, current_stream()), \"{op}\");" in b) == present, op
+    assert b.count("m.def(") == len(ops)
+    assert b.count("m.impl(") == len(ops)
+
+
+def test_write_creates_files_and_skips_unchanged(tmp_path):
+    r = render(KernelSpec.parse({"target": "gfx942"}))
+    folder = tmp_path / "out"
+    paths = r.write(folder)
+    assert sorted(p.relative_to(folder).as_posix() for p in paths) == sorted(r.files)
+    for rel, text in r.files.items():
+        assert (folder / rel).read_text() == text
+    k = folder / KERNEL_SOURCE
+    os.utime(k, ns=(1_000_000_000, 1_000_000_000))
+    r.write(folder)
+    assert k.stat().st_mtime_ns == 1_000_000_000  # unchanged file not rewritten
+    k.write_text("stale")
+    r.write(folder)
+    assert k.read_text() == r.files[KERNEL_SOURCE]
+
+
+# ---- generated/ ---------------------------------------------------------------------
+
+
+def test_generated_folders_are_the_shipped_variants():
+    uris = sorted(s.uri for s in shipped_specs())
+    assert uris == sorted([
+        "kda_d128_c64_bv128_bf16_gfx942-e3b20d6c",
+        "kda_d128_c64_bv128_bf16_lb_gfx942-ebf04647",
+        "kda_d128_c64_bv128_bf16_lb_sm90-8531df77",
+        "kda_d128_c64_bv128_bf16_sm90-8142fdc5",
+    ])
+    assert sorted(d.name for d in GENERATED.iterdir() if d.is_dir()) == uris
+
+
+def test_generated_is_not_stale():
+    stale = check_generated()
+    assert stale == [], "generated/ is stale (run `python -m kdagen.cli generated`): " + ", ".join(stale)
+
+
+@pytest.fixture
+def generated_copy(tmp_path):
+    dst = tmp_path / "generated"
+    shutil.copytree(GENERATED, dst)
+    return dst
+
+
+def test_check_generated_on_a_clean_copy(generated_copy):
+    assert check_generated(generated_copy) == check_generated()
+
+
+def test_check_generated_detects_a_modified_file(generated_copy):
+    before = set(check_generated(generated_copy))
+    uri = "kda_d128_c64_bv128_bf16_sm90-8142fdc5"
+    f = generated_copy / uri / KERNEL_SOURCE
+    f.write_text(f.read_text().replace("kHeadDim = 128;", "kHeadDim = 64;"))
+    assert set(check_generated(generated_copy)) - before == {f"{uri}/{KERNEL_SOURCE}"}
+
+
+def test_check_generated_detects_a_modified_header(generated_copy):
+    before = set(check_generated(generated_copy))
+    uri = "kda_d128_c64_bv128_bf16_lb_gfx942-ebf04647"
+    f = generated_copy / uri / "include" / "kdagen" / "chunk.h"
+    f.write_text(f.read_text() + "\n// local edit\n")
+    assert set(check_generated(generated_copy)) - before == {f"{uri}/include/kdagen/chunk.h"}
+
+
+def test_check_generated_detects_missing_and_extra(generated_copy):
+    before = set(check_generated(generated_copy))
+    uri = "kda_d128_c64_bv128_bf16_gfx942-e3b20d6c"
+    (generated_copy / uri / BINDING_SOURCE).unlink()
+    (generated_copy / uri / "notes.txt").write_text("x")
+    (generated_copy / "kda_old_variant-00000000").mkdir()
+    shutil.rmtree(generated_copy / "kda_d128_c64_bv128_bf16_lb_sm90-8531df77")
+    stale = set(check_generated(generated_copy)) - before
+    assert f"{uri}/{BINDING_SOURCE}" in stale
+    assert f"{uri}/notes.txt" in stale
+    assert "kda_old_variant-00000000/" in stale
+    lb = {s for s in stale if s.startswith("kda_d128_c64_bv128_bf16_lb_sm90-8531df77/")}
+    assert len(lb) == len(render(KernelSpec.parse({"gate": "lower_bound"})).files)
+
+
+def test_check_generated_on_a_missing_root(tmp_path):
+    stale = check_generated(tmp_path / "nothing")
+    n = sum(len(render(s).files) for s in shipped_specs())
+    assert len(stale) == n
