@@ -96,7 +96,8 @@ def commit() -> str:
         return "?"
 
 
-def run(shapes: list[tuple[int, int, int]], reps: int) -> tuple[list[Row], dict]:
+def run(shapes: list[tuple[int, int, int]], reps: int,
+        gates: tuple[str, ...] = ("lower_bound", "softplus")) -> tuple[list[Row], dict]:
     import kdagen
     from .groups import chunk_groups, num_compute_units
     from .jit import device_target
@@ -110,7 +111,7 @@ def run(shapes: list[tuple[int, int, int]], reps: int) -> tuple[list[Row], dict]
     bw, rate = ceilings()
     target = device_target()
     rows = []
-    for gate in ("lower_bound", "softplus"):
+    for gate in gates:
         kern = kdagen.load({"target": target, "gate": gate})
         for n, t, h in shapes:
             th = n * t * h
@@ -221,7 +222,8 @@ def main(ns: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("kdagen: error: bench needs a GPU (torch.cuda.is_available() is False)")
         return 1
-    rows, meta = run(parse_shapes(ns.shapes or DEFAULT_SHAPES), ns.reps)
+    gates = tuple(g.strip() for g in (ns.gates or "lower_bound,softplus").split(","))
+    rows, meta = run(parse_shapes(ns.shapes or DEFAULT_SHAPES), ns.reps, gates)
     text = table(rows, meta)
     print()
     print(text)

@@ -29,7 +29,7 @@ build_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
 tests_rc=1
 if [ "$build_rc" = 0 ]; then
-  KDAGEN_RECORD="$OUT/errors.jsonl" python3 -m pytest tests -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$LOGS/gpu_tests.log"
+  KDAGEN_RECORD="$OUT/errors.jsonl" python3 -m pytest tests/test_gpu_kernels.py tests/test_gpu_torch.py -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$LOGS/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
   python3 examples/prefill_decode.py 2>&1 | tee "$LOGS/examples.log"; python3 examples/kda_layer.py 2>&1 | tee -a "$LOGS/examples.log"
   [ -f "$OUT/errors.jsonl" ] && python3 scripts/summarize_errors.py "$OUT/errors.jsonl" > "$OUT/validation.md"
@@ -38,7 +38,7 @@ t2=$(date +%s)
 san_rc=skipped
 if [ "${KDAGEN_SANITIZE:-1}" = 1 ] && [ "$build_rc" = 0 ] && command -v compute-sanitizer >/dev/null; then
   san_rc=""
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${KDAGEN_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     timeout 110 compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
       python3 scripts/sanitize_ops.py > "$LOGS/sanitizer_$tool.log" 2>&1
     rc=$?; san_rc="$san_rc $tool=$rc"
@@ -47,7 +47,7 @@ if [ "${KDAGEN_SANITIZE:-1}" = 1 ] && [ "$build_rc" = 0 ] && command -v compute-
 fi
 bench_rc=skipped
 if [ "${1:-}" != quick ] && [ "$build_rc" = 0 ]; then
-  python3 -m kdagen.cli bench --reps "${KDAGEN_BENCH_REPS:-30}" --markdown "$OUT/bench.md" \
+  python3 -m kdagen.cli bench --reps "${KDAGEN_BENCH_REPS:-30}" --gates "${KDAGEN_BENCH_GATES:-lower_bound,softplus}" --markdown "$OUT/bench.md" \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$LOGS/bench.log"
   bench_rc=${PIPESTATUS[0]}
 fi
