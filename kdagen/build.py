@@ -336,8 +336,8 @@ def build_many(specs: Iterable[KernelSpec], mode: Mode = "full", *, verbose: boo
             lk = FileLock(e.lock_path)
             try:
                 lk.acquire()
-            except PermissionError as err:
-                raise BuildError(f"cannot lock {e.lock_path}: {err.strerror}; "
+            except OSError as err:
+                raise BuildError(f"cannot lock {e.lock_path}: {err.strerror or err}; "
                                  "set KDAGEN_CACHE_DIR to a writable folder") from None
             locks.append(lk)
         # Check again under the lock: another process may have finished meanwhile.
@@ -358,9 +358,11 @@ def build_many(specs: Iterable[KernelSpec], mode: Mode = "full", *, verbose: boo
         start = time.monotonic()
         if len(todo) == 1:
             ninja_file, log = todo[0].root / "build.ninja", todo[0].log
+            run_ninja(ninja_file, log, verbose=verbose, jobs=jobs, what=f"building {names}")
         else:
             ninja_file, log = _set_ninja(todo)
-        run_ninja(ninja_file, log, verbose=verbose, jobs=jobs, what=f"building {names}")
+            with FileLock(ninja_file.parent.with_suffix(".lock"), quiet=True):
+                run_ninja(ninja_file, log, verbose=verbose, jobs=jobs, what=f"building {names}")
         seconds = time.monotonic() - start
         if len(todo) > 1:
             for e in todo:
@@ -410,15 +412,18 @@ def clear_cache() -> int:
     if not root.is_dir():
         return 0
     n = 0
-    for d in root.iterdir():
+    for d in sorted(root.iterdir()):
         if not d.is_dir():
             continue
         if d.name == "sets":
-            shutil.rmtree(d, ignore_errors=True)
+            for s in sorted(d.iterdir()):
+                if s.is_dir():
+                    with FileLock(s.with_suffix(".lock")):  # not under a running set build
+                        shutil.rmtree(s, ignore_errors=True)
             continue
-        lock = root / f"{d.name}.lock"
-        with FileLock(lock):  # never pull an entry from under a running build
+        # Lock files stay: a builder may be waiting on this very file, and a new file at the
+        # same path would let a second builder in beside it.
+        with FileLock(root / f"{d.name}.lock"):  # never pull an entry from under a build
             shutil.rmtree(d, ignore_errors=True)
-        lock.unlink(missing_ok=True)
         n += 1
     return n

@@ -116,7 +116,24 @@ def indices(op: str, name: str, t: object, n: int, rows: int, device: torch.devi
 
 
 def flags(op: str, name: str, t: object, n: int, device: torch.device | None) -> torch.Tensor:
-    return tensor(op, name, t, shape=(n,), dtypes=(torch.bool,), device=device)
+    return tensor(op, name, t, shape=(n,), dtypes=(torch.bool,), device=device, contiguous=True)
+
+
+def same_values(op: str, name: str, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """A caller-given index tensor must equal what cu_seqlens implies (value check)."""
+    if not values_checkable():
+        return
+    if tuple(got.shape) != tuple(want.shape) or not torch.equal(got.to(want.dtype), want):
+        _fail(op, name, f"does not match cu_seqlens: expected {what} {want.tolist()}")
+
+
+def group_count(op: str, groups: object) -> int:
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        _fail(op, "groups", f"must be an int >= 1, got {groups!r}", TypeError)
+    assert isinstance(groups, int)
+    if groups < 1:
+        _fail(op, "groups", f"must be >= 1, got {groups}")
+    return groups
 
 
 def same_device(op: str, ref: torch.Tensor, **named: torch.Tensor | None) -> None:

@@ -32,12 +32,17 @@ def kda_forward(
     """Raw q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g ``[B, T, H, K]`` (before the
     gate), beta ``[B, T, H]`` (before the sigmoid) -> ``(o [B, T, H, V], final_state)``.
 
-    As in ``chunk_kda``: ``cu_seqlens`` needs B == 1; ``initial_state`` / the final
-    state are fp32 ``[N, H, V, K]`` when ``state_v_first`` (vLLM's layout, the default
-    here) or ``[N, H, K, V]`` when not (FLA's default; then kdagen transposes them,
-    because you said so). The l2 norms, the gate (softplus form, or lower-bound form
-    when ``lower_bound`` is given) and the beta sigmoid always run in kernel.
+    As in ``chunk_kda``: ``cu_seqlens`` needs B == 1. ``initial_state`` and the final
+    state are fp32 ``[N, H, V, K]`` (vLLM's layout, ``state_v_first=True``, the default
+    here); kdagen's kernels keep the state V-first, so ``state_v_first=False`` (FLA's
+    default ``[N, H, K, V]``) is an error rather than a silent transpose. The l2 norms,
+    the gate (softplus form, or lower-bound form when ``lower_bound`` is given) and the
+    beta sigmoid always run in kernel.
     """
+    if not state_v_first:
+        raise ValueError("kda_forward: state_v_first=False is not supported: kdagen keeps the "
+                         "state V-first [N, H, V, K]; pass state_v_first=True with a V-first state "
+                         "(x.transpose(-1, -2).contiguous() converts FLA's [N, H, K, V])")
     for flag, name in ((use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel"),
                        (use_gate_in_kernel, "use_gate_in_kernel"),
                        (use_beta_sigmoid_in_kernel, "use_beta_sigmoid_in_kernel")):
@@ -63,8 +68,6 @@ def kda_forward(
         if initial_state.dtype != torch.float32:
             raise TypeError(f"kda_forward: argument 'initial_state' must be float32, got "
                             f"{initial_state.dtype}")
-        if not state_v_first:
-            initial_state = initial_state.transpose(-1, -2)
         initial_state = initial_state.contiguous()
     kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size)
     pro = kern.fused_kda_prologue(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens)
@@ -72,6 +75,4 @@ def kda_forward(
     o, final = kern.fused_kda_chunk(pro["qg"], pro["w"], pro["u"], pro["kg_t"], pro["aqk"],
                                     pro["decay"], out, scale, cu_seqlens, initial_state,
                                     output_final_state, groups=groups)
-    if final is not None and not state_v_first:
-        final = final.transpose(-1, -2).contiguous()
     return o.reshape(B, T, H, -1), final

@@ -189,8 +189,11 @@ class Kernels:
             elif conv_state_indices is not None or conv_has_initial_state is not None:
                 raise ck.ArgumentError(f"{op}: argument 'conv_state_indices' / "
                                        "'conv_has_initial_state' need conv_state")
-        elif conv_state is not None or conv_state_indices is not None:
-            raise ck.ArgumentError(f"{op}: argument 'conv_state' needs conv_weight")
+        else:
+            for name, t in (("conv_state", conv_state), ("conv_state_indices", conv_state_indices),
+                            ("conv_has_initial_state", conv_has_initial_state)):
+                if t is not None:
+                    raise ck.ArgumentError(f"{op}: argument '{name}' needs conv_weight")
         if chunk_indices is None:
             chunk_indices = prepare_chunk_indices(cu, C)
         ci = ck.tensor(op, "chunk_indices", chunk_indices, ndim=2, dtypes=ck.INDEX_DTYPES, device=dev)
@@ -198,6 +201,8 @@ class Kernels:
             raise ck.ArgumentError(f"{op}: argument 'chunk_indices' must be [chunks, 2], got "
                                    f"{tuple(ci.shape)}")
         ci = ci.to(torch.int32).contiguous()
+        if ck.values_checkable():
+            ck.same_values(op, "chunk_indices", ci, prepare_chunk_indices(cu, C), "the rows")
         nchunks = ci.shape[0]
 
         def like(last: int) -> torch.Tensor:
@@ -300,14 +305,23 @@ class Kernels:
             if ck.values_checkable():
                 _check_checkpoints(op, offs, cu, C)
             checkpoint_offsets = offs.to(torch.int32).contiguous()
-        elif checkpoint_state_indices is not None:
-            raise ck.ArgumentError(f"{op}: argument 'checkpoint_state_indices' needs "
-                                   "checkpoint_offsets")
+        else:
+            if checkpoint_state_indices is not None:
+                raise ck.ArgumentError(f"{op}: argument 'checkpoint_state_indices' needs "
+                                       "checkpoint_offsets")
+            ck.optional(op, "checkpoint_state", checkpoint_state, shape=(None, H, D, D),
+                        dtypes=(torch.float32,), device=dev, contiguous=True)
         cu32 = cu.to(torch.int32).contiguous()
         if chunk_offsets is None:
             chunk_offsets = prepare_chunk_offsets(cu32, C)
         co = ck.tensor(op, "chunk_offsets", chunk_offsets, shape=(N + 1,), dtypes=ck.INDEX_DTYPES,
                        device=dev).to(torch.int32).contiguous()
+        if ck.values_checkable():
+            want = prepare_chunk_offsets(cu32, C)
+            ck.same_values(op, "chunk_offsets", co, want, "offsets")
+            if int(want[-1]) != nchunks:
+                raise ck.ArgumentError(f"{op}: argument 'kg_t' holds {nchunks} chunks, but "
+                                       f"cu_seqlens makes {int(want[-1])} chunks of {C}")
 
         final_state = None
         if output_final_state:
@@ -316,8 +330,7 @@ class Kernels:
             bv = self.spec.block_width
             groups = chunk_groups(nchunks // max(N, 1), N, H, num_compute_units(dev),
                                   pass_one_blocks=2 * D // bv, pass_two_blocks=D // bv)
-        if groups < 1:
-            raise ck.ArgumentError(f"{op}: argument 'groups' must be >= 1, got {groups}")
+        groups = ck.group_count(op, groups)
         workspace = group_workspace(groups, N * H, D, dev)
         fn(qg, w, u, kg_t, aqk, decay, out, cu32, co, _scale(scale, D), initial_state, final_state,
            workspace, int(groups), checkpoint_state, checkpoint_offsets, checkpoint_state_indices,

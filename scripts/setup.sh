@@ -16,4 +16,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[test]'
+# cuobjdump + nvdisasm read the sm_90 SASS in the compile checks (HMMA present)
+command -v cuobjdump >/dev/null || [ -x /usr/local/cuda/bin/cuobjdump ] ||
+  python3 -m pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 command -v nvcc >/dev/null || echo "setup: note: nvcc not found; sm_90 compile checks will be skipped"

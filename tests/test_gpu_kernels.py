@@ -115,6 +115,8 @@ def _prologue_ref(x, C, dtype):
     (dict(head_dim=128, chunk_size=64), torch.bfloat16),
     (dict(head_dim=64, chunk_size=64, io_dtype="fp16"), torch.float16),
     (dict(head_dim=128, chunk_size=32, block_width=64), torch.bfloat16),
+    (dict(head_dim=128, chunk_size=64, block_width=32), torch.bfloat16),
+    (dict(head_dim=64, chunk_size=32, block_width=16, io_dtype="fp16"), torch.float16),
 ])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_chunk_against_reference(spec, dtype, groups, record):
