@@ -195,14 +195,16 @@ class Kernels:
                 if t is not None:
                     raise ck.ArgumentError(f"{op}: argument '{name}' needs conv_weight")
         if chunk_indices is None:
-            chunk_indices = prepare_chunk_indices(cu, C)
-        ci = ck.tensor(op, "chunk_indices", chunk_indices, ndim=2, dtypes=ck.INDEX_DTYPES, device=dev)
-        if ci.shape[1] != 2:
-            raise ck.ArgumentError(f"{op}: argument 'chunk_indices' must be [chunks, 2], got "
-                                   f"{tuple(ci.shape)}")
+            ci = prepare_chunk_indices(cu, C)
+        else:  # the caller's indices must be the ones cu_seqlens implies
+            ci = ck.tensor(op, "chunk_indices", chunk_indices, ndim=2, dtypes=ck.INDEX_DTYPES,
+                           device=dev)
+            if ci.shape[1] != 2:
+                raise ck.ArgumentError(f"{op}: argument 'chunk_indices' must be [chunks, 2], got "
+                                       f"{tuple(ci.shape)}")
+            if ck.values_checkable():
+                ck.same_values(op, "chunk_indices", ci, prepare_chunk_indices(cu, C), "the rows")
         ci = ci.to(torch.int32).contiguous()
-        if ck.values_checkable():
-            ck.same_values(op, "chunk_indices", ci, prepare_chunk_indices(cu, C), "the rows")
         nchunks = ci.shape[0]
 
         def like(last: int) -> torch.Tensor:
@@ -312,13 +314,15 @@ class Kernels:
             ck.optional(op, "checkpoint_state", checkpoint_state, shape=(None, H, D, D),
                         dtypes=(torch.float32,), device=dev, contiguous=True)
         cu32 = cu.to(torch.int32).contiguous()
+        want = prepare_chunk_offsets(cu32, C)
         if chunk_offsets is None:
-            chunk_offsets = prepare_chunk_offsets(cu32, C)
-        co = ck.tensor(op, "chunk_offsets", chunk_offsets, shape=(N + 1,), dtypes=ck.INDEX_DTYPES,
-                       device=dev).to(torch.int32).contiguous()
+            co = want
+        else:
+            co = ck.tensor(op, "chunk_offsets", chunk_offsets, shape=(N + 1,),
+                           dtypes=ck.INDEX_DTYPES, device=dev).to(torch.int32).contiguous()
+            if ck.values_checkable():
+                ck.same_values(op, "chunk_offsets", co, want, "offsets")
         if ck.values_checkable():
-            want = prepare_chunk_offsets(cu32, C)
-            ck.same_values(op, "chunk_offsets", co, want, "offsets")
             if int(want[-1]) != nchunks:
                 raise ck.ArgumentError(f"{op}: argument 'kg_t' holds {nchunks} chunks, but "
                                        f"cu_seqlens makes {int(want[-1])} chunks of {C}")
