@@ -8,6 +8,7 @@ identity, flags, arch, torch) feeds the build cache key.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sysconfig
@@ -117,12 +118,19 @@ def hipcc_knows(path: str, arch: str) -> bool:
     return out.returncode == 0 and "invalid target" not in out.stderr
 
 
+def extra_device_flags() -> tuple[str, ...]:
+    """``KDAGEN_DEVICE_FLAGS``: extra device-compiler flags (e.g. ``-lineinfo`` for a
+    profiler); they are part of the cache key like every other flag."""
+    return tuple(shlex.split(os.environ.get("KDAGEN_DEVICE_FLAGS", "")))
+
+
 def device_compiler(target: Target, *, allow_substitute: bool = False) -> DeviceCompiler:
     """The compiler for ``target``; with ``allow_substitute`` an old hipcc may check
     gfx942/gfx950 through the target's ``check_arch`` (compile-only builds say so)."""
     if target.vendor == "nvidia":
         path = find_nvcc()
-        return DeviceCompiler("nvidia", path, compiler_version(path, "nvidia"), target.arch)
+        return DeviceCompiler("nvidia", path, compiler_version(path, "nvidia"), target.arch,
+                              extra_device_flags())
     path = find_hipcc()
     version = compiler_version(path, "amd")
     arch, note = target.arch, ""
@@ -134,6 +142,7 @@ def device_compiler(target: Target, *, allow_substitute: bool = False) -> Device
         arch = target.check_arch
         note = f"{path} does not know {target.arch}; compile-checked through {arch} (same ISA family)"
     flags = (f"-DKDAGEN_CHECK_ARCH_SUBSTITUTED={target.arch}",) if note else ()
+    flags += extra_device_flags()
     return DeviceCompiler("amd", path, version, arch, flags, note)
 
 

@@ -327,6 +327,15 @@ def test_key_changes_with_compiler(fake_cc, monkeypatch, field, value):
     assert plan(spec(), "objects").key != base.key
 
 
+def test_extra_device_flags_reach_the_compiler_and_the_key(monkeypatch):
+    from kdagen import toolchain
+
+    monkeypatch.setenv("KDAGEN_DEVICE_FLAGS", "-lineinfo -DKDAGEN_X='a b'")
+    assert toolchain.extra_device_flags() == ("-lineinfo", "-DKDAGEN_X=a b")
+    monkeypatch.delenv("KDAGEN_DEVICE_FLAGS")
+    assert toolchain.extra_device_flags() == ()
+
+
 # ---- building with the fake compiler ----------------------------------------------------------
 
 

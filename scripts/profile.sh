@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Profile the prologue and the chunk scan with Nsight Compute on one bench shape
+# (built with -lineinfo so the source page maps SASS to template lines).
+#   bash scripts/profile.sh [shape] [gate]      e.g. 1x32768:32 lower_bound
+# Writes $OUT/{prologue,chunk}.ncu-rep, details_*.txt and sass_*.csv.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kdagen-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${KDAGEN_SITE_DONE:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/kdagen-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/kdagen-site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export KDAGEN_CACHE_DIR=${KDAGEN_CACHE_DIR:-/tmp/kdagen-cache} KDAGEN_DEVICE_FLAGS=-lineinfo
+shape=${1:-1x32768:32}; gate=${2:-lower_bound}
+python3 scripts/profile_kernels.py "$shape" "$gate" || exit 1
+for k in prologue_kernel chunk_kernel; do
+  name=${k%_kernel}
+  ncu --clock-control none -k "regex:$k" --launch-skip 1 --launch-count 1 --set full \
+    --import-source yes -f -o "$OUT/$name" python3 scripts/profile_kernels.py "$shape" "$gate" \
+    > "$OUT/ncu_$name.log" 2>&1 || tail -n 20 "$OUT/ncu_$name.log"
+  ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1
+  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_$name.csv" 2>&1
+  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source cuda > "$OUT/src_$name.csv" 2>&1
+  grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|Compute \(SM\)|Shared Memory Configuration Size|Block Limit" "$OUT/details_$name.txt" | head -n 20
+done
