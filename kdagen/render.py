@@ -100,6 +100,8 @@ def render(spec: KernelSpec) -> Rendered:
         io_enum=IO_ENUM[spec.io_dtype],
         stage_q=resources.prologue_stages_q(spec.head_dim, spec.chunk_size, spec.io_dtype,
                                             t.shared_mem),
+        chunk=resources.chunk_plan(spec.head_dim, spec.chunk_size, spec.block_width,
+                                   spec.io_dtype, t.wave_size, t.shared_mem, t.async_copy),
         pad16=resources.PAD_16BIT,
         pad32=resources.PAD_FP32,
         recurrent_rows=resources.RECURRENT_ROWS_PER_BLOCK,

@@ -39,7 +39,8 @@ def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str,
     c, d = chunk_size, head_dim
     g_plane = c * (d + PAD_FP32) * 4
     row_plane = c * (d + PAD_16BIT) * IO_BYTES[io_dtype]
-    return Footprint(PROLOGUE_THREADS, g_plane + (2 if stage_q else 1) * row_plane + 3 * c * 4)
+    planes = 1 + int(stage_q)
+    return Footprint(PROLOGUE_THREADS, g_plane + planes * row_plane + 3 * c * 4)
 
 
 def prologue_stages_q(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> bool:
@@ -48,13 +49,36 @@ def prologue_stages_q(head_dim: int, chunk_size: int, io_dtype: str, shared_mem:
 
 
 def chunk_footprint(
-    head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int
+    head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
+    stages: int = 1, stage_uo: bool = False,
 ) -> Footprint:
-    """w, qg (C x K), kg_t (K x C), aqk (C x C) tiles + the fp32 chunk decay."""
+    """Per stage: w, qg (C x K), kg_t (K x C), aqk (C x C) tiles, [the u / o tile
+    (C x block_width)], and the fp32 chunk decay; ``stages`` such buffers."""
     c, d = chunk_size, head_dim
     elems = 2 * c * (d + PAD_16BIT) + d * (c + PAD_16BIT) + c * (c + PAD_16BIT)
+    if stage_uo:
+        elems += c * (block_width + PAD_16BIT)
     waves = block_width // 16
-    return Footprint(waves * wave_size, elems * IO_BYTES[io_dtype] + d * 4)
+    return Footprint(waves * wave_size, stages * (elems * IO_BYTES[io_dtype] + d * 4))
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How the chunk scan buffers its operands on one target."""
+
+    stages: int  # 2: the next chunk's tiles load (asynchronously) during this one
+    stage_uo: bool  # u read and o written through LDS (16-byte accesses) instead of per element
+
+
+def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
+               shared_mem: int, async_copy: bool) -> ChunkPlan:
+    """The richest buffering that fits: double-buffered with staged u / o where the
+    target has asynchronous copies, else one stage, with u / o staged if they fit."""
+    fits = lambda st, uo: chunk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
+                                          st, uo).shared_mem <= shared_mem
+    if async_copy and fits(2, True):
+        return ChunkPlan(2, True)
+    return ChunkPlan(1, fits(1, True))
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

@@ -12,7 +12,8 @@ class Target:
 
     ``shared_mem`` is the most LDS / shared memory one workgroup may use (bytes),
     ``check_arch`` the arch a compile-only check falls back to when the local
-    compiler does not know ``arch`` (Debian's ROCm 5.2 clang stops at gfx940).
+    compiler does not know ``arch`` (Debian's ROCm 5.2 clang stops at gfx940),
+    ``async_copy`` whether kernels may double-buffer through asynchronous copies.
     """
 
     name: str
@@ -23,6 +24,7 @@ class Target:
     matrix: Literal["mfma", "mma.sync"]
     description: str
     check_arch: str | None = None
+    async_copy: bool = False  # 16-byte asynchronous global -> shared copies (cp.async)
 
     @property
     def tag(self) -> str:
@@ -42,7 +44,8 @@ TARGETS: dict[str, Target] = {
             "gfx950", "amd", "gfx950", 64, 163840, "mfma", "AMD Instinct MI350 (CDNA4)",
             check_arch="gfx940",
         ),
-        Target("sm_90", "nvidia", "sm_90a", 32, 232448, "mma.sync", "NVIDIA Hopper (H100, H200)"),
+        Target("sm_90", "nvidia", "sm_90a", 32, 232448, "mma.sync", "NVIDIA Hopper (H100, H200)",
+               async_copy=True),
     )
 }
 

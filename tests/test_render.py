@@ -137,6 +137,8 @@ def test_default_constexprs():
         "kLowerBound": "false",
         "kConvWidth": "0",
         "kStageQ": "true",  # sm_90's shared memory holds the q rows too
+        "kChunkStages": "2",  # cp.async double buffering
+        "kStageUO": "true",
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -146,6 +148,21 @@ def test_default_constexprs():
         "kScanRows": str(resources.SCAN_ROWS),
     }
     assert "static constexpr int kHeadDim = 128;" in kernels({})
+
+
+@pytest.mark.parametrize("target, stages, uo", [
+    ("sm_90", "2", "true"),  # asynchronous copies, 227 KB: double-buffered, u / o staged
+    ("gfx90a", "1", "false"),  # 64 KB: one stage, no room for the u / o tile
+    ("gfx942", "1", "false"),
+    ("gfx950", "1", "true"),  # 160 KB but no 16-byte async copies: one stage, u / o staged
+])
+def test_chunk_buffering_per_target(target, stages, uo):
+    c = constexprs(kernels({"target": target}))
+    assert (c["kChunkStages"], c["kStageUO"]) == (stages, uo)
+    fp = resources.chunk_footprint(128, 64, 128, "bf16", 64 if target.startswith("gfx") else 32,
+                                   int(stages), uo == "true")
+    from kdagen.targets import get_target
+    assert fp.shared_mem <= get_target(target).shared_mem
 
 
 def test_q_staging_follows_the_target_lds():

@@ -26,25 +26,35 @@ namespace kdagen {
 template <class Cfg>
 struct ChunkLayout {
   static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, BV = Cfg::kBlockV;
-  static constexpr int LDW = D + Cfg::kPad16;  // w, qg tiles [C][LDW]
-  static constexpr int LDC = C + Cfg::kPad16;  // kg_t [D][LDC], aqk [C][LDC]
-  static constexpr int kElems = 2 * C * LDW + D * LDC + C * LDC;
-  static constexpr int kBytes = kElems * 2 + D * 4;
+  static constexpr int LDW = D + Cfg::kPad16;   // w, qg tiles [C][LDW]
+  static constexpr int LDC = C + Cfg::kPad16;   // kg_t [D][LDC], aqk [C][LDC]
+  static constexpr int LDU = BV + Cfg::kPad16;  // u in, o out [C][LDU] (kStageUO)
+  static constexpr int kStages = Cfg::kChunkStages;  // 2: the next chunk loads during this one
+  static constexpr int kElems =
+      2 * C * LDW + D * LDC + C * LDC + (Cfg::kStageUO ? C * LDU : 0);
+  static constexpr int kStageBytes = kElems * 2 + D * 4;
+  static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kThreads = (BV / 16) * kWaveSize;
+  static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
 };
 
 enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2 };
 
-// Rows of a token-major [rows][H][width] tensor -> an LDS tile [rows][ld], zero past `valid`.
+// Rows of a token-major [rows][H][width] tensor -> an LDS tile [rows][ld], zero past
+// `valid`, as 16-byte copies (asynchronous where the hardware has them).
 template <int ROWS, int WIDTH, int LD, int NT>
-__device__ __forceinline__ void stage_rows(uint16_t* dst, const uint16_t* src, int64_t row_stride,
-                                           int valid) {
+__device__ __forceinline__ void copy_rows(uint16_t* dst, const uint16_t* src, int64_t row_stride,
+                                          int valid) {
   constexpr int VEC = 8;  // 16 bytes
-  for (int e = threadIdx.x; e < ROWS * WIDTH / VEC; e += NT) {
-    const int r = e / (WIDTH / VEC), c = (e % (WIDTH / VEC)) * VEC;
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if (r < valid) x = *reinterpret_cast<const uint4*>(src + r * row_stride + c);
-    *reinterpret_cast<uint4*>(dst + r * LD + c) = x;
+  constexpr int N = ROWS * WIDTH / VEC, ITERS = (N + NT - 1) / NT;
+#pragma unroll
+  for (int m = 0; m < ITERS; ++m) {
+    const int e = threadIdx.x + m * NT;
+    if (N % NT == 0 || e < N) {
+      const int r = e / (WIDTH / VEC), c = (e % (WIDTH / VEC)) * VEC;
+      const bool in = r < valid;
+      async::copy16(dst + r * LD + c, in ? src + r * row_stride + c : src, in);
+    }
   }
 }
 
@@ -89,11 +99,18 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
   static_assert(sizeof(T) == 2, "the chunk scan takes 16-bit operands");
 
   extern __shared__ __align__(16) unsigned char smem[];
-  uint16_t* Ws = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* Qs = Ws + C * LDW;
-  uint16_t* KGs = Qs + C * LDW;
-  uint16_t* As = KGs + D * LDC;
-  float* Ds = reinterpret_cast<float*>(As + C * LDC);
+  // One stage: w | qg | kg_t | aqk | [u, then o] | decay. Stage b of chunk c is b = c % kStages.
+  struct Stage { uint16_t *Ws, *Qs, *KGs, *As, *Us; float* Ds; };
+  auto stage_at = [&](int b) {
+    Stage st;
+    st.Ws = reinterpret_cast<uint16_t*>(smem + b * Lay::kStageBytes);
+    st.Qs = st.Ws + C * LDW;
+    st.KGs = st.Qs + C * LDW;
+    st.As = st.KGs + D * LDC;
+    st.Us = st.As + C * LDC;
+    st.Ds = reinterpret_cast<float*>(st.Us + (Cfg::kStageUO ? C * Lay::LDU : 0));
+    return st;
+  };
 
   const int H = a.num_heads, h = blockIdx.y;
   const int G = kMode == kWalkSingle ? 1 : a.num_groups;
@@ -127,21 +144,49 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
   const T* u = static_cast<const T*>(a.u);
   T* out = static_cast<T*>(a.out);
 
+  const int col0 = blockIdx.x * BV;  // this block's first column of u / o
+  // Issue the copies of chunk c's operands into stage `st`.
+  auto load_chunk = [&](int c, const Stage& st) {
+    const int chunk = cbase + c, t0 = bos + c * C, valid = min(C, len - c * C);
+    copy_rows<C, D, LDW, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + t0 * row_hd + h * D, row_hd, valid);
+    if constexpr (kMode != kWalkPassOne) {
+      copy_rows<C, D, LDW, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + t0 * row_hd + h * D, row_hd, valid);
+      copy_rows<C, C, LDC, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + t0 * row_hc + h * C, row_hc, valid);
+    }
+    if constexpr (Cfg::kStageUO) {
+      if (!transfer)
+        copy_rows<C, BV, Lay::LDU, NT>(st.Us, static_cast<const uint16_t*>(a.u) + t0 * row_hd + h * D + col0,
+                                       row_hd, valid);
+    }
+    copy_rows<D, C, LDC, NT>(st.KGs, static_cast<const uint16_t*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C,
+                             C, D);
+    copy_rows<1, D * 2, D * 2, NT>(reinterpret_cast<uint16_t*>(st.Ds),
+                                   reinterpret_cast<const uint16_t*>(a.decay + (static_cast<int64_t>(chunk) * H + h) * D),
+                                   0, 1);
+    async::commit();
+  };
+  if (Lay::kStages > 1 && c0 < c1) load_chunk(c0, stage_at(0));
+
   for (int c = c0; c < c1; ++c) {
-    const int chunk = cbase + c;
     const int t0 = bos + c * C;
     const int valid = min(C, len - c * C);
+    const Stage st = stage_at(Lay::kStages > 1 ? (c - c0) % Lay::kStages : 0);
+    uint16_t *const Ws = st.Ws, *const Qs = st.Qs, *const KGs = st.KGs, *const As = st.As, *const Us = st.Us;
+    const float* Ds = st.Ds;
 
-    // ---- stage this chunk's operands ------------------------------------------------------
-    __syncthreads();  // the previous chunk's readers are done
-    stage_rows<C, D, LDW, NT>(Ws, static_cast<const uint16_t*>(a.w) + t0 * row_hd + h * D, row_hd, valid);
-    if constexpr (kMode != kWalkPassOne) {
-      stage_rows<C, D, LDW, NT>(Qs, static_cast<const uint16_t*>(a.qg) + t0 * row_hd + h * D, row_hd, valid);
-      stage_rows<C, C, LDC, NT>(As, static_cast<const uint16_t*>(a.aqk) + t0 * row_hc + h * C, row_hc, valid);
+    // ---- this chunk's operands in LDS (the next chunk's copies in flight) -----------------
+    __syncthreads();  // every reader of the stage about to be refilled is done
+    if constexpr (Lay::kStages > 1) {
+      if (c + 1 < c1) {
+        load_chunk(c + 1, stage_at((c + 1 - c0) % Lay::kStages));
+        async::wait<1>();
+      } else {
+        async::wait<0>();
+      }
+    } else {
+      load_chunk(c, st);
+      async::wait<0>();
     }
-    stage_rows<D, C, LDC, NT>(KGs, static_cast<const uint16_t*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C,
-                              C, D);
-    for (int k = threadIdx.x; k < D; k += NT) Ds[k] = a.decay[(static_cast<int64_t>(chunk) * H + h) * D + k];
     __syncthreads();
 
     // ---- v_new^T = u^T - S^T w^T,  o^T = S^T qg^T ----------------------------------------
@@ -153,7 +198,8 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
       if (!transfer) {
         mma::for_each(vn[ct], [&](int r, int cc, float& x) {
           const int i = 16 * ct + cc;
-          x = i < valid ? to_float<Io>(u[(t0 + i) * row_hd + h * D + row0 + r]) : 0.0f;
+          if constexpr (Cfg::kStageUO) x = to_float<Io>(Us[i * Lay::LDU + 16 * wave + r]);
+          else x = i < valid ? to_float<Io>(u[(t0 + i) * row_hd + h * D + row0 + r]) : 0.0f;
         });
       }
     }
@@ -180,10 +226,26 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
 #pragma unroll
         for (int cj = 0; cj <= ci; ++cj)
           mma::mma<Io>(o[ci], va[cj], mma::load_b_smem(As + (16 * ci) * LDC + 16 * cj, LDC));
-        mma::for_each(o[ci], [&](int r, int cc, float& x) {
-          const int i = 16 * ci + cc;
-          if (i < valid) out[(t0 + i) * row_hd + h * D + row0 + r] = from_float<Io>(x);
-        });
+        if constexpr (Cfg::kStageUO) {
+          if (ci == 0) wave_sync();  // every lane has read its u (same columns of Us)
+          mma::for_each(o[ci], [&](int r, int cc, float& x) {
+            Us[(16 * ci + cc) * Lay::LDU + 16 * wave + r] = from_float<Io>(x);
+          });
+        } else {
+          mma::for_each(o[ci], [&](int r, int cc, float& x) {
+            const int i = 16 * ci + cc;
+            if (i < valid) out[(t0 + i) * row_hd + h * D + row0 + r] = from_float<Io>(x);
+          });
+        }
+      }
+      if constexpr (Cfg::kStageUO) {
+        // the wave's 16 columns of o, a 32-byte row segment per token, 16-byte stores
+        wave_sync();
+        for (int e = lane_id(); e < 2 * valid; e += kWaveSize) {
+          const int i = e >> 1, half = e & 1;
+          *reinterpret_cast<uint4*>(out + (t0 + i) * row_hd + h * D + row0 + 8 * half) =
+              *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * wave + 8 * half);
+        }
       }
     }
 

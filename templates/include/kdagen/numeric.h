@@ -51,6 +51,15 @@ template <DType T> __device__ __forceinline__ io_t<T> from_float(float x) {
   else return x;
 }
 
+// Eight floats -> eight 16-bit values in one 16-byte word (for vector stores).
+template <DType T> __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
+  static_assert(T != DType::kFP32, "16-bit values only");
+  auto two = [&](int j) {
+    return static_cast<uint32_t>(from_float<T>(v[j])) | (static_cast<uint32_t>(from_float<T>(v[j + 1])) << 16);
+  };
+  return make_uint4(two(0), two(2), two(4), two(6));
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }

@@ -39,6 +39,10 @@ struct PrologueLayout {
   static_assert(LDL % 4 == 0, "L rows are read as float4");
 };
 
+// Largest |lower_bound| for which the diagonal blocks use the matrix units: their
+// factors stay below 2^(8 * 8 / ln 2) = 2^92, far inside bf16's range.
+constexpr float kDiagMmaMaxBound = 8.0f;
+
 template <class Cfg>
 __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(PrologueArgs a) {
   constexpr DType Io = Cfg::kIo;
@@ -48,7 +52,13 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   constexpr int NT = Cfg::kPrologueThreads, NW = NT / kWaveSize;
   constexpr int NB = C / 16;                         // 16-row blocks per chunk
   constexpr int PAIRS = NB * (NB - 1) / 2;           // off-diagonal block pairs
-  constexpr int PAIRS_PER_WAVE = (PAIRS + NW - 1) / NW;
+  // With a lower-bounded gate the diagonal blocks go through the matrix units too
+  // (pairs PAIRS.. PAIRS + NB - 1), when the bound keeps the factors in range.
+  constexpr int MMA_PAIRS = PAIRS + (Cfg::kLowerBound ? NB : 0);
+  constexpr int PAIRS_PER_WAVE = (MMA_PAIRS + NW - 1) / NW;
+  // Operand type of the L / aqk products: bf16 when the diagonal factors (up to
+  // 2^(8 |bound| / ln 2)) need its exponent range, else the io dtype.
+  constexpr DType Mx = Cfg::kLowerBound ? DType::kBF16 : Io;
   constexpr int ROWS_PER_WAVE = C / NW;
   constexpr int PER = (D + kWaveSize - 1) / kWaveSize;
   static_assert(C % NW == 0, "chunk rows must spread evenly over the waves");
@@ -137,7 +147,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     else return input(0, i, d);
   };
 
-  // ---- phase 1: k (and q) rows, norms, beta, cumulative gate ---------------------------
+  // ---- phase 1: k (and q) rows, beta, the gate; then norms and the cumulative gate -----
+  // Every global load of the chunk is issued here, before anything waits on one.
   stage(Ks, 1);
   if constexpr (Cfg::kStageQ) stage(Qs, 0);
   for (int i = tid; i < C; i += NT)
@@ -145,105 +156,202 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
                             static_cast<int64_t>(t0 + i) * a.beta.token +
                             static_cast<int64_t>(h) * a.beta.head]))
                       : 0.0f;
-  for (int d = tid; d < D; d += NT) {
+  {
+    // The per-step gate (log2 units) into the G plane, zero past the end, from 16-byte
+    // loads of the raw gate where its rows are aligned.
+    constexpr int VEC = 8, PER_ROW = D / VEC, ITERS = (C * PER_ROW + NT - 1) / NT;
     const float a_exp = __expf(a.a_log[h]);
-    const float bias = a.dt_bias[h * D + d];
-    float acc = 0.0f;
-#pragma unroll 16
-    for (int i = 0; i < C; ++i) {
-      if (i < valid)
-        acc += gate_log2<Cfg::kLowerBound>(raw(a.g, t0 + i, d) + bias, a_exp, a.lower_bound);
-      Gs[i * LDG + d] = acc;
+    const float* bias = a.dt_bias + h * D;
+    const T* base = static_cast<const T*>(a.g.ptr) + static_cast<int64_t>(t0) * a.g.token +
+                    static_cast<int64_t>(h) * a.g.head;
+    const bool plain = reinterpret_cast<uintptr_t>(base) % 16 == 0 && a.g.token % VEC == 0;
+    uint4 buf[ITERS];
+#pragma unroll
+    for (int m = 0; m < ITERS; ++m) {
+      const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
+      buf[m] = make_uint4(0, 0, 0, 0);
+      if (plain && e < C * PER_ROW && i < valid)
+        buf[m] = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(i) * a.g.token + c);
+    }
+#pragma unroll
+    for (int m = 0; m < ITERS; ++m) {
+      const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
+      if (e >= C * PER_ROW) continue;
+      const uint32_t words[4] = {buf[m].x, buf[m].y, buf[m].z, buf[m].w};
+      float gv[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const T r16 = static_cast<T>(j % 2 ? words[j / 2] >> 16 : words[j / 2] & 0xffffu);
+        const float x = plain ? to_float<Io>(r16) : (i < valid ? raw(a.g, t0 + i, c + j) : 0.0f);
+        gv[j] = i < valid ? gate_log2<Cfg::kLowerBound>(x + bias[c + j], a_exp, a.lower_bound) : 0.0f;
+      }
+      float4* dst = reinterpret_cast<float4*>(Gs + i * LDG + c);
+      dst[0] = make_float4(gv[0], gv[1], gv[2], gv[3]);
+      dst[1] = make_float4(gv[4], gv[5], gv[6], gv[7]);
     }
   }
   __syncthreads();
-  for (int i = wave; i < C; i += NW) {
-    float qq = 0.0f, kk = 0.0f;
-    if (i < valid) {
-      for (int d = lane; d < D; d += kWaveSize) {
-        const float kx = to_float<Io>(Ks[i * LDK + d]), qx = qval(i, d);
-        kk += kx * kx;
-        qq += qx * qx;
+  {
+    // Cumulative sum down each column, SEG threads per column: each sums its run of
+    // rows in place, then adds the totals of the runs above it.
+    constexpr int SEG = NT >= D ? NT / D : 1, RUN = C / SEG;
+    static_assert(C % SEG == 0, "the cumsum runs must tile the chunk");
+    for (int e = tid; e < D * SEG; e += NT) {
+      const int d = e % D, r0 = (e / D) * RUN;
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < RUN; ++i) {
+        acc += Gs[(r0 + i) * LDG + d];
+        Gs[(r0 + i) * LDG + d] = acc;
       }
     }
-    kk = wave_sum(kk);
-    qq = wave_sum(qq);
+    __syncthreads();
+    if constexpr (SEG > 1) {
+      static_assert(D * SEG == NT, "one (column, run) per thread");
+      const int d = tid % D, sg = tid / D;
+      float off = 0.0f;
+      for (int p = 0; p < sg; ++p) off += Gs[((p + 1) * RUN - 1) * LDG + d];
+      __syncthreads();  // every run total is read before any is changed
+      if (sg > 0) {
+#pragma unroll
+        for (int i = 0; i < RUN; ++i) Gs[(sg * RUN + i) * LDG + d] += off;
+      }
+      __syncthreads();
+    }
+  }
+  {
+    // Row norms of k and q: a wave per row, its rows' reductions interleaved.
+    float kk[ROWS_PER_WAVE], qq[ROWS_PER_WAVE];
+#pragma unroll
+    for (int m = 0; m < ROWS_PER_WAVE; ++m) {
+      const int i = wave + m * NW;
+      kk[m] = qq[m] = 0.0f;
+      if (i < valid) {
+        for (int d = lane; d < D; d += kWaveSize) {
+          const float kx = to_float<Io>(Ks[i * LDK + d]), qx = qval(i, d);
+          kk[m] += kx * kx;
+          qq[m] += qx * qx;
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < ROWS_PER_WAVE; ++m) {
+      kk[m] = wave_sum(kk[m]);
+      qq[m] = wave_sum(qq[m]);
+    }
     if (lane == 0) {
-      rk[i] = i < valid ? rnorm(kk) : 0.0f;
-      rq[i] = i < valid ? rnorm(qq) : 0.0f;
+#pragma unroll
+      for (int m = 0; m < ROWS_PER_WAVE; ++m) {
+        const int i = wave + m * NW;
+        rk[i] = i < valid ? rnorm(kk[m]) : 0.0f;
+        rq[i] = i < valid ? rnorm(qq[m]) : 0.0f;
+      }
     }
   }
   __syncthreads();
 
-  // ---- phase 2: elementwise outputs qg, kg_t, decay -------------------------------------
+  // ---- phase 2: elementwise outputs qg, kg_t, decay (16-byte stores) --------------------
   const int64_t row_hd = static_cast<int64_t>(H) * D;
-  T* qg = static_cast<T*>(a.qg);
-  for (int e = tid; e < valid * D; e += NT) {
-    const int i = e / D, d = e % D;
-    qg[(t0 + i) * row_hd + h * D + d] =
-        from_float<Io>(qval(i, d) * rq[i] * exp2f(Gs[i * LDG + d]));
+  {
+    constexpr int VEC = 8;
+    T* qg = static_cast<T*>(a.qg) + static_cast<int64_t>(t0) * row_hd + h * D;
+    for (int e = tid; e < valid * (D / VEC); e += NT) {
+      const int i = e / (D / VEC), c = (e % (D / VEC)) * VEC;
+      float out8[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out8[j] = qval(i, c + j) * rq[i] * exp2f(Gs[i * LDG + c + j]);
+      *reinterpret_cast<uint4*>(qg + i * row_hd + c) = pack8<Io>(out8);
+    }
+    // kg_t [D][C]: a thread takes 8 consecutive rows i of one column d
+    T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
+    for (int e = tid; e < D * (C / VEC); e += NT) {
+      const int d = e % D, i0 = (e / D) * VEC;
+      const float glast = Gs[last * LDG + d];
+      float out8[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const int i = i0 + j;
+        out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2f(glast - Gs[i * LDG + d]) : 0.0f;
+      }
+      *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
+    }
+    for (int d = tid; d < D; d += NT)
+      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
   }
-  T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
-  for (int e = tid; e < D * C; e += NT) {
-    const int d = e / C, i = e % C;
-    const float x = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] *
-                                    exp2f(Gs[last * LDG + d] - Gs[i * LDG + d])
-                              : 0.0f;
-    kg_t[e] = from_float<Io>(x);
-  }
-  for (int d = tid; d < D; d += NT)
-    a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
 
   // ---- phase 3: L and aqk --------------------------------------------------------------
   T* aqk = static_cast<T*>(a.aqk);
   const int64_t row_hc = static_cast<int64_t>(H) * C;
 
-  // Off-diagonal blocks on the matrix units; L stays in registers until G is dead.
+  // The diagonal blocks take the matrix-unit path when the gate's bound keeps
+  // 2^(G_i - G_r), r the block's middle row, within 2^(8 * kDiagMmaMaxBound / ln 2):
+  // a block-uniform choice by value, both paths exact to rounding.
+  const bool diag_mma = Cfg::kLowerBound && a.lower_bound >= -kDiagMmaMaxBound;
+  const int live_pairs = diag_mma ? MMA_PAIRS : PAIRS;
+
+  // Block pairs on the matrix units; L stays in registers until G is dead.
   mma::Acc accL[PAIRS_PER_WAVE > 0 ? PAIRS_PER_WAVE : 1];
   int pair_bi[PAIRS_PER_WAVE > 0 ? PAIRS_PER_WAVE : 1], pair_bj[PAIRS_PER_WAVE > 0 ? PAIRS_PER_WAVE : 1];
 #pragma unroll
   for (int pp = 0; pp < PAIRS_PER_WAVE; ++pp) {
     const int p = wave + pp * NW;
-    int bi = 1, bj = p;  // p = bi * (bi - 1) / 2 + bj
-    while (bj >= bi) { bj -= bi; ++bi; }
+    int bi = 1, bj = p;  // p = bi * (bi - 1) / 2 + bj for the off-diagonal pairs
+    if (p < PAIRS) {
+      while (bj >= bi) { bj -= bi; ++bi; }
+    } else {
+      bi = bj = p - PAIRS;  // diagonal block
+    }
     pair_bi[pp] = bi;
     pair_bj[pp] = bj;
     mma::zero(accL[pp]);
-    if (p >= PAIRS) continue;
+    if (p >= live_pairs) continue;
+    const bool diag = bi == bj;
     mma::Acc accQ;
     mma::zero(accQ);
-    const int ref = 16 * bi;
+    // Off-diagonal: the block's first row, both factors <= 1. Diagonal: its middle row.
+    const int ref = diag ? 16 * bi + 8 : 16 * bi;
 #pragma unroll 2
     for (int kt = 0; kt < D / 16; ++kt) {
       const float* gref = Gs + ref * LDG + 16 * kt;
-      const mma::Frag ak = mma::load_a<Io>([&](int r, int c) {
+      const mma::Frag ak = mma::load_a<Mx>([&](int r, int c) {
         const int i = 16 * bi + r, d = 16 * kt + c;
         return to_float<Io>(Ks[i * LDK + d]) * exp2f(Gs[i * LDG + d] - gref[c]);
       });
-      const mma::Frag aq = mma::load_a<Io>([&](int r, int c) {
+      const mma::Frag aq = mma::load_a<Mx>([&](int r, int c) {
         const int i = 16 * bi + r, d = 16 * kt + c;
         return i < valid ? qval(i, d) * exp2f(Gs[i * LDG + d] - gref[c]) : 0.0f;
       });
-      const mma::Frag b = mma::load_b<Io>([&](int nn, int c) {
+      const mma::Frag b = mma::load_b<Mx>([&](int nn, int c) {
         const int j = 16 * bj + nn, d = 16 * kt + c;
         return to_float<Io>(Ks[j * LDK + d]) * exp2f(gref[c] - Gs[j * LDG + d]);
       });
-      mma::mma<Io>(accL[pp], ak, b);
-      mma::mma<Io>(accQ, aq, b);
+      mma::mma<Mx>(accL[pp], ak, b);
+      mma::mma<Mx>(accQ, aq, b);
     }
     mma::for_each(accQ, [&](int r, int c, float& x) {
       const int i = 16 * bi + r, j = 16 * bj + c;
-      if (i < valid) aqk[(t0 + i) * row_hc + h * C + j] = from_float<Io>(a.scale * rq[i] * rk[j] * x);
+      // (masked entries of a diagonal block may be huge or inf: selected away, never scaled)
+      const float v = diag && j > i ? 0.0f : a.scale * rq[i] * rk[j] * x;
+      if (i < valid) aqk[(t0 + i) * row_hc + h * C + j] = from_float<Io>(v);
     });
   }
+  if (diag_mma) {
+    // aqk above the diagonal blocks is zero: 16-byte stores of row i's columns >= 16 (i/16 + 1)
+    constexpr int VEC = 8;
+    for (int e = tid; e < valid * (C / VEC); e += NT) {
+      const int i = e / (C / VEC), j = (e % (C / VEC)) * VEC;
+      if (j >= 16 * (i / 16 + 1))
+        *reinterpret_cast<uint4*>(aqk + (t0 + i) * row_hc + h * C + j) = make_uint4(0, 0, 0, 0);
+    }
+  }
 
-  // Diagonal blocks: a wave per row, lanes over D, exact exponent differences.
+  // Diagonal blocks otherwise: a wave per row, lanes over D, exact exponent differences.
   float diagL[ROWS_PER_WAVE];
 #pragma unroll
   for (int m = 0; m < ROWS_PER_WAVE; ++m) {
     const int i = wave + m * NW;
     diagL[m] = 0.0f;
-    if (i >= valid) continue;
+    if (diag_mma || i >= valid) continue;
     const int b0 = 16 * (i / 16);
     float qi[PER], ki[PER], gi[PER];
 #pragma unroll
@@ -293,18 +401,20 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   // ---- phase 5: L into the (now dead) G plane -------------------------------------------
 #pragma unroll
   for (int pp = 0; pp < PAIRS_PER_WAVE; ++pp) {
-    if (wave + pp * NW >= PAIRS) continue;
+    if (wave + pp * NW >= live_pairs) continue;
     const int bi = pair_bi[pp], bj = pair_bj[pp];
     mma::for_each(accL[pp], [&](int r, int c, float& x) {
       const int i = 16 * bi + r, j = 16 * bj + c;
-      Ls[i * LDL + j] = bt[i] * rk[i] * rk[j] * x;
+      Ls[i * LDL + j] = bi == bj && j >= i ? 0.0f : bt[i] * rk[i] * rk[j] * x;
     });
   }
+  if (!diag_mma) {
 #pragma unroll
-  for (int m = 0; m < ROWS_PER_WAVE; ++m) {
-    const int i = wave + m * NW;
-    const int j = 16 * (i / 16) + lane;
-    if (lane < 16 && j < i) Ls[i * LDL + j] = i < valid ? bt[i] * rk[i] * rk[j] * diagL[m] : 0.0f;
+    for (int m = 0; m < ROWS_PER_WAVE; ++m) {
+      const int i = wave + m * NW;
+      const int j = 16 * (i / 16) + lane;
+      if (lane < 16 && j < i) Ls[i * LDL + j] = i < valid ? bt[i] * rk[i] * rk[j] * diagL[m] : 0.0f;
+    }
   }
   __syncthreads();
 

@@ -28,6 +28,20 @@ __device__ __forceinline__ float wave_sum(float x) {
   return x;
 }
 
+// A wave runs in lockstep: nothing to do.
+__device__ __forceinline__ void wave_sync() {}
+
+// CDNA has no 16-byte asynchronous global -> LDS copy before gfx950: `copy16` is a
+// plain load and store (the kernels pick one stage on these targets).
+namespace async {
+constexpr bool kHardware = false;
+__device__ __forceinline__ void copy16(void* smem, const void* gmem, bool pred) {
+  *reinterpret_cast<uint4*>(smem) = pred ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+}
+__device__ __forceinline__ void commit() {}
+template <int N> __device__ __forceinline__ void wait() {}
+}  // namespace async
+
 namespace mma {
 
 typedef float f32x4 __attribute__((ext_vector_type(4)));

@@ -30,6 +30,25 @@ __device__ __forceinline__ float wave_sum(float x) {
   return x;
 }
 
+__device__ __forceinline__ void wave_sync() { __syncwarp(); }
+
+// Asynchronous 16-byte global -> shared copies (cp.async, Ampere and newer): `copy16`
+// zero-fills when `pred` is false; `commit` closes a group, `wait<N>` blocks until at
+// most N groups of this thread are still in flight.
+namespace async {
+constexpr bool kHardware = true;
+__device__ __forceinline__ void copy16(void* smem, const void* gmem, bool pred) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(pred ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+}  // namespace async
+
 namespace mma {
 
 struct Acc { float v[8]; };
