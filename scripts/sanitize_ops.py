@@ -1,6 +1,7 @@
 """Run every op once on small varlen inputs with partial chunks, for compute-sanitizer
 (memcheck, racecheck, synccheck): recurrent, prologue (with and without the fused conv),
-chunk with 1 and 4 groups, paged cache, checkpoints."""
+chunk with 1 and 4 groups, paged cache, checkpoints; the lower-bounded gate's prologue
+(diagonal blocks on the matrix units) and chunk with 1 and 3 groups."""
 
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ def main() -> None:
                             conv_weight=torch.randn(3 * H * 128, 4, device="cuda"), conv_state=state,
                             conv_state_indices=torch.tensor([0, 2, -1, 4, 5], dtype=torch.int32, device="cuda"),
                             conv_has_initial_state=torch.tensor([1, 0, 1, 1, 1], dtype=torch.bool, device="cuda"))
+    # the lower-bounded gate: diagonal blocks on the matrix units
+    lb = kdagen.load({"head_dim": 128, "gate": "lower_bound", "target": t})
+    z = make_inputs([1, 63, 64, 65, 300], H, 128, gate="lower_bound", seed=2)
+    pz = lb.fused_kda_prologue(*z.args(), None, z.lower_bound, z.cu_seqlens)
+    for groups in (1, 3):
+        lb.fused_kda_chunk(*(pz[k] for k in OPS), torch.empty_like(pz["u"]), None, z.cu_seqlens,
+                           None, True, groups=groups)
     y = make_inputs([1] * N, H, 128, seed=1)
     cache = torch.randn(8, H, 128, 128, device="cuda")
     rec.fused_recurrent_kda(*(a[0] for a in y.args()[:5]), y.A_log, y.dt_bias, None, None, cache,
