@@ -75,7 +75,10 @@ class Kernels:
         if b.numel() != H * D:
             raise ck.ArgumentError(f"{op}: argument 'dt_bias' must hold H * K = {H * D} values, got "
                                    f"shape {tuple(b.shape)}")
-        return a.reshape(-1).float().contiguous(), b.reshape(-1).float().contiguous()
+        b = b.reshape(-1).float().contiguous()
+        if not ck.tracing() and b.data_ptr() % 16 != 0:
+            b = b.clone()  # the kernels read dt_bias as float4
+        return a.reshape(-1).float().contiguous(), b
 
     # ---- decode ----------------------------------------------------------------------------
 

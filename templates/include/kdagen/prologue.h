@@ -146,6 +146,17 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     if constexpr (Cfg::kStageQ) return to_float<Io>(Qs[i * LDK + d]);
     else return input(0, i, d);
   };
+  // Neighbouring pairs (d even): one 32-bit read of a 16-bit plane, one 64-bit read of G.
+  auto pair16 = [&](const T* plane, int i, int d) -> float2 {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(plane + i * LDK + d);
+    return make_float2(to_float<Io>(static_cast<T>(w & 0xffffu)), to_float<Io>(static_cast<T>(w >> 16)));
+  };
+  auto k2 = [&](int i, int d) { return pair16(Ks, i, d); };
+  auto q2 = [&](int i, int d) -> float2 {
+    if constexpr (Cfg::kStageQ) return pair16(Qs, i, d);
+    else return make_float2(input(0, i, d), input(0, i, d + 1));
+  };
+  auto g2 = [&](int i, int d) { return *reinterpret_cast<const float2*>(Gs + i * LDG + d); };
 
   // ---- phase 1: k (and q) rows, beta, the gate; then norms and the cumulative gate -----
   // Every global load of the chunk is issued here, before anything waits on one.
@@ -170,20 +181,34 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     for (int m = 0; m < ITERS; ++m) {
       const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
       buf[m] = make_uint4(0, 0, 0, 0);
-      if (plain && e < C * PER_ROW && i < valid)
-        buf[m] = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(i) * a.g.token + c);
+      if (e < C * PER_ROW && i < valid) {
+        if (plain) {
+          buf[m] = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(i) * a.g.token + c);
+        } else {  // an unaligned view: element by element into the same word
+          uint32_t w[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            w[j] = static_cast<uint32_t>(from_float<Io>(raw(a.g, t0 + i, c + 2 * j))) |
+                   (static_cast<uint32_t>(from_float<Io>(raw(a.g, t0 + i, c + 2 * j + 1))) << 16);
+          buf[m] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
     }
 #pragma unroll
     for (int m = 0; m < ITERS; ++m) {
       const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
       if (e >= C * PER_ROW) continue;
       const uint32_t words[4] = {buf[m].x, buf[m].y, buf[m].z, buf[m].w};
+      const float4 b0 = *reinterpret_cast<const float4*>(bias + c);
+      const float4 b1 = *reinterpret_cast<const float4*>(bias + c + 4);
+      const float bs[VEC] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+      const bool in = i < valid;
       float gv[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const T r16 = static_cast<T>(j % 2 ? words[j / 2] >> 16 : words[j / 2] & 0xffffu);
-        const float x = plain ? to_float<Io>(r16) : (i < valid ? raw(a.g, t0 + i, c + j) : 0.0f);
-        gv[j] = i < valid ? gate_log2<Cfg::kLowerBound>(x + bias[c + j], a_exp, a.lower_bound) : 0.0f;
+        const float x = gate_log2<Cfg::kLowerBound>(to_float<Io>(r16) + bs[j], a_exp, a.lower_bound);
+        gv[j] = in ? x : 0.0f;
       }
       float4* dst = reinterpret_cast<float4*>(Gs + i * LDG + c);
       dst[0] = make_float4(gv[0], gv[1], gv[2], gv[3]);
@@ -313,17 +338,21 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
 #pragma unroll 2
     for (int kt = 0; kt < D / 16; ++kt) {
       const float* gref = Gs + ref * LDG + 16 * kt;
-      const mma::Frag ak = mma::load_a<Mx>([&](int r, int c) {
+      const mma::Frag ak = mma::load_a2<Mx>([&](int r, int c) {
         const int i = 16 * bi + r, d = 16 * kt + c;
-        return to_float<Io>(Ks[i * LDK + d]) * exp2f(Gs[i * LDG + d] - gref[c]);
+        const float2 k = k2(i, d), g = g2(i, d), gr = *reinterpret_cast<const float2*>(gref + c);
+        return make_float2(k.x * exp2f(g.x - gr.x), k.y * exp2f(g.y - gr.y));
       });
-      const mma::Frag aq = mma::load_a<Mx>([&](int r, int c) {
+      const mma::Frag aq = mma::load_a2<Mx>([&](int r, int c) {
         const int i = 16 * bi + r, d = 16 * kt + c;
-        return i < valid ? qval(i, d) * exp2f(Gs[i * LDG + d] - gref[c]) : 0.0f;
+        if (i >= valid) return make_float2(0.0f, 0.0f);
+        const float2 q = q2(i, d), g = g2(i, d), gr = *reinterpret_cast<const float2*>(gref + c);
+        return make_float2(q.x * exp2f(g.x - gr.x), q.y * exp2f(g.y - gr.y));
       });
-      const mma::Frag b = mma::load_b<Mx>([&](int nn, int c) {
+      const mma::Frag b = mma::load_b2<Mx>([&](int nn, int c) {
         const int j = 16 * bj + nn, d = 16 * kt + c;
-        return to_float<Io>(Ks[j * LDK + d]) * exp2f(gref[c] - Gs[j * LDG + d]);
+        const float2 k = k2(j, d), g = g2(j, d), gr = *reinterpret_cast<const float2*>(gref + c);
+        return make_float2(k.x * exp2f(gr.x - g.x), k.y * exp2f(gr.y - g.y));
       });
       mma::mma<Mx>(accL[pp], ak, b);
       mma::mma<Mx>(accQ, aq, b);
@@ -391,10 +420,21 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   __syncthreads();
 
   // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w --------------------------
-  for (int e = tid; e < C * D; e += NT) {
-    const int i = e / D, d = e % D;
-    Ks[i * LDK + d] =
-        from_float<Io>(bt[i] * rk[i] * to_float<Io>(Ks[i * LDK + d]) * exp2f(Gs[i * LDG + d]));
+  for (int e = tid; e < C * (D / 8); e += NT) {  // 8 elements: 16-byte k, two float4 of G
+    const int i = e / (D / 8), d = (e % (D / 8)) * 8;
+    const uint4 kw = *reinterpret_cast<const uint4*>(Ks + i * LDK + d);
+    const float4 g0 = *reinterpret_cast<const float4*>(Gs + i * LDG + d);
+    const float4 g1 = *reinterpret_cast<const float4*>(Gs + i * LDG + d + 4);
+    const uint32_t words[4] = {kw.x, kw.y, kw.z, kw.w};
+    const float gs[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+    const float f = bt[i] * rk[i];
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const T k16 = static_cast<T>(j % 2 ? words[j / 2] >> 16 : words[j / 2] & 0xffffu);
+      v[j] = f * to_float<Io>(k16) * exp2f(gs[j]);
+    }
+    *reinterpret_cast<uint4*>(Ks + i * LDK + d) = pack8<Io>(v);
   }
   __syncthreads();
 

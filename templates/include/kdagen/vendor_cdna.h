@@ -86,6 +86,21 @@ template <DType T, class F> __device__ __forceinline__ Frag load_b(F&& f) {
   return b;
 }
 
+// The same from f2(row or n, k) giving the pair (k, k + 1) for even k as a float2.
+template <DType T, class F> __device__ __forceinline__ Frag load_a2(F&& f2) {
+  const int r = lane_id() & 15, q = lane_id() >> 4;
+  Frag a;
+#pragma unroll
+  for (int j = 0; j < 4; j += 2) {
+    const float2 x = f2(r, 4 * q + j);
+    a.x[j] = pack1<T>(x.x);
+    a.x[j + 1] = pack1<T>(x.y);
+  }
+  return a;
+}
+
+template <DType T, class F> __device__ __forceinline__ Frag load_b2(F&& f2) { return load_a2<T>(f2); }
+
 // Straight from 16-bit LDS: A[row][k] at p[row * ld + k], B[k][n] at p[n * ld + k];
 // the four k of a lane are contiguous: one 64-bit load (ld a multiple of 4).
 __device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
