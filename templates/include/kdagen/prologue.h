@@ -35,6 +35,10 @@ struct PrologueLayout {
   static constexpr int kPlanes = Cfg::kStageQ ? 2 : 1;  // k, and q where LDS allows
   static constexpr int kBytes =
       C * LDG * 4 + kPlanes * C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + 3 * C * 4;
+  static constexpr int LDA = C + Cfg::kPad16;   // (I + L)^-1 in bf16 [C][LDA], after L
+  // The solve runs on the matrix units when the G plane also holds (I + L)^-1 in bf16
+  // and the (then dead) q plane can take v; otherwise a forward substitution per column.
+  static constexpr bool kMmaSolve = Cfg::kStageQ && C * LDL * 4 + C * LDA * 2 <= C * LDG * 4;
   static_assert(C * LDL <= C * LDG, "the L plane must fit in the G plane");
   static_assert(LDL % 4 == 0, "L rows are read as float4");
 };
@@ -419,7 +423,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   }
   __syncthreads();
 
-  // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w --------------------------
+  // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w (and v into the q plane) --
+  if constexpr (Lay::kMmaSolve) stage(Qs, 2);
   for (int e = tid; e < C * (D / 8); e += NT) {  // 8 elements: 16-byte k, two float4 of G
     const int i = e / (D / 8), d = (e % (D / 8)) * 8;
     const uint4 kw = *reinterpret_cast<const uint4*>(Ks + i * LDK + d);
@@ -458,11 +463,110 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   }
   __syncthreads();
 
-  // ---- phase 6: w = (I + L)^-1 (b k^ 2^G), u = (I + L)^-1 (b v): forward substitution ---
-  // By 16-row blocks: the rows of a block first take every earlier block's terms as 16
-  // independent accumulations (float4 reads of L), then solve inside the block.
   T* wout = static_cast<T*>(a.w);
   T* uout = static_cast<T*>(a.u);
+  if constexpr (Lay::kMmaSolve) {
+    // ---- phase 6: w = (I + L)^-1 (b k^ 2^G), u = (I + L)^-1 (b v) on the matrix units ---
+    // (I + L)^-1 by 16-row blocks, in fp32 and in place of L: the diagonal blocks'
+    // inverses by forward substitution, then block row by block row
+    //   Ainv_ij = -Inv_ii * sum_{k=j}^{i-1} L_ik Ainv_kj,
+    // then rounded to bf16 for the two products with the right-hand sides.
+    uint16_t* Ab = reinterpret_cast<uint16_t*>(Ls + C * Lay::LDL);
+    {
+      float x[16];
+      const int b = tid / 16, c = tid % 16;
+      if (tid < NB * 16) {
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          float v = r == c ? 1.0f : 0.0f;
+#pragma unroll
+          for (int j = 0; j < r; ++j) v -= Ls[(16 * b + r) * LDL + 16 * b + j] * x[j];
+          x[r] = v;
+        }
+      }
+      __syncthreads();
+      if (tid < NB * 16) {
+#pragma unroll
+        for (int r = 0; r < 16; ++r) Ls[(16 * b + r) * LDL + 16 * b + c] = x[r];
+      }
+      __syncthreads();
+    }
+    {
+      const int r = tid / 16 % 16, c = tid % 16;  // this thread's entry of a 16 x 16 block
+      static_assert(NT >= 256, "one thread per entry of a 16 x 16 block");
+      const bool act = tid < 256;
+#pragma unroll
+      for (int i = 1; i < NB; ++i) {
+        float t[NB];
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+          t[j] = 0.0f;
+          if (act && j < i) {
+            for (int k = j; k < i; ++k) {
+#pragma unroll
+              for (int m = 0; m < 16; ++m)
+                t[j] += Ls[(16 * i + r) * LDL + 16 * k + m] * Ls[(16 * k + m) * LDL + 16 * j + c];
+            }
+          }
+        }
+        __syncthreads();  // row block i of L is read; its place takes T, then Ainv
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+          if (act && j < i) Ls[(16 * i + r) * LDL + 16 * j + c] = t[j];
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+          if (act && j < i) {
+            float v = 0.0f;
+#pragma unroll
+            for (int m = 0; m < 16; ++m)
+              v -= Ls[(16 * i + r) * LDL + 16 * i + m] * Ls[(16 * i + m) * LDL + 16 * j + c];
+            t[j] = v;
+          }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+          if (act && j < i) Ls[(16 * i + r) * LDL + 16 * j + c] = t[j];
+        __syncthreads();
+      }
+    }
+    for (int e = tid; e < C * C; e += NT) {  // bf16 copy, zero above the diagonal blocks
+      const int i = e / C, j = e % C;
+      Ab[i * Lay::LDA + j] = from_float<DType::kBF16>(j / 16 <= i / 16 ? Ls[i * LDL + j] : 0.0f);
+    }
+    __syncthreads();
+    // 2 x (C / 16) x (D / 16) output tiles over the waves: w from the k plane, u from
+    // b * v in the q plane; block row bi takes the k-blocks kb <= bi.
+    constexpr int TILES = 2 * NB * (D / 16);
+    for (int tile = wave; tile < TILES; tile += NW) {
+      const bool is_w = tile < NB * (D / 16);
+      const int tt = is_w ? tile : tile - NB * (D / 16);
+      const int bi = tt / (D / 16), dt = tt % (D / 16);
+      const T* rhs = is_w ? Ks : Qs;
+      mma::Acc acc;
+      mma::zero(acc);
+      for (int kb = 0; kb <= bi; ++kb) {
+        const mma::Frag fa = mma::load_a_smem(Ab + 16 * bi * Lay::LDA + 16 * kb, Lay::LDA);
+        const mma::Frag fb = mma::load_b2<DType::kBF16>([&](int nn, int k) {
+          const int j = 16 * kb + k, d = 16 * dt + nn;
+          const float s0 = is_w ? 1.0f : bt[j], s1 = is_w ? 1.0f : bt[j + 1];
+          return make_float2(s0 * to_float<Io>(rhs[j * LDK + d]), s1 * to_float<Io>(rhs[(j + 1) * LDK + d]));
+        });
+        mma::mma<DType::kBF16>(acc, fa, fb);
+      }
+      T* dst = (is_w ? wout : uout) + static_cast<int64_t>(t0) * row_hd + h * D + 16 * dt;
+      mma::for_each(acc, [&](int r, int c, float& x) {
+        const int i = 16 * bi + r;
+        if (i < valid) dst[i * row_hd + c] = from_float<Io>(x);
+      });
+    }
+    return;
+  }
+
+  // ---- phase 6 (otherwise): forward substitution, one thread per output column ----------
+  // By 16-row blocks: the rows of a block first take every earlier block's terms as 16
+  // independent accumulations (float4 reads of L), then solve inside the block.
   for (int col = tid; col < 2 * D; col += NT) {
     const bool is_w = col < D;
     const int d = is_w ? col : col - D;
