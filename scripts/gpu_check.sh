@@ -5,6 +5,9 @@
 #
 #   bash scripts/gpu_check.sh [quick]      # quick: tests only, no benchmark
 #
+# KDAGEN_GPU_TESTS narrows the test files, KDAGEN_SANITIZE=0 skips compute-sanitizer,
+# KDAGEN_SANITIZE_TOOLS picks its tools, KDAGEN_BENCH_REPS / _GATES shape the benchmark.
+#
 # On the device tool: run with carry [".whl"] (pydantic & co, fla-core wheels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +32,7 @@ build_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
 tests_rc=1
 if [ "$build_rc" = 0 ]; then
-  KDAGEN_RECORD="$OUT/errors.jsonl" python3 -m pytest tests/test_gpu_kernels.py tests/test_gpu_torch.py tests/test_gpu_stress.py tests/test_gpu_builds.py -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$LOGS/gpu_tests.log"
+  KDAGEN_RECORD="$OUT/errors.jsonl" python3 -m pytest ${KDAGEN_GPU_TESTS:-tests/test_gpu_kernels.py tests/test_gpu_torch.py tests/test_gpu_stress.py tests/test_gpu_builds.py} -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$LOGS/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
   python3 examples/prefill_decode.py 2>&1 | tee "$LOGS/examples.log"; python3 examples/kda_layer.py 2>&1 | tee -a "$LOGS/examples.log"
   [ -f "$OUT/errors.jsonl" ] && python3 scripts/summarize_errors.py "$OUT/errors.jsonl" > "$OUT/validation.md"
