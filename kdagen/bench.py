@@ -99,7 +99,7 @@ def commit() -> str:
 def run(shapes: list[tuple[int, int, int]], reps: int,
         gates: tuple[str, ...] = ("lower_bound", "softplus")) -> tuple[list[Row], dict]:
     import kdagen
-    from .groups import chunk_groups, num_compute_units
+    from .groups import num_compute_units
     from .jit import device_target
     from .testing import make_inputs, rel_err
 
@@ -137,8 +137,7 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
                 kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
                                      outs[i], None, sets[i].cu_seqlens, inits[i], True)
 
-            groups = chunk_groups((t + C - 1) // C, n, h, num_compute_units(torch.device("cuda")),
-                                  pass_one_blocks=2, pass_two_blocks=1)
+            groups = kern._choose_groups((t + C - 1) // C, n, h, torch.device("cuda"))  # as used
             row = Row(f"{n}x{t}x{h}", gate, th, groups, time_ms(ours, nsets, reps),
                       time_ms(prologue_only, nsets, reps), time_ms(chunk_only, nsets, reps), None,
                       0.0, *traffic(th), None)

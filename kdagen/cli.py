@@ -143,6 +143,43 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return bench_main(ns)
 
 
+def cmd_tune(ns: argparse.Namespace) -> int:
+    from . import autotune
+
+    if ns.show:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no GPU: the autotune cache is per device; run this on the GPU")
+        path = autotune.cache_path(autotune.device_tag())
+        entries = autotune.TuneCache(path).read()
+        print(f"autotune cache: {path}")
+        for spec_key in sorted(entries):
+            for shape_key, row in sorted(entries[spec_key].items()):
+                choice = ", ".join(f"{k} {row[k]}" for k in ("groups", "block_width") if k in row)
+                print(f"  {spec_key:42} {shape_key:14} {choice}  (ms: {row.get('ms')})")
+        return 0
+    import kdagen
+
+    from .bench import DEFAULT_SHAPES, parse_shapes
+    from .jit import device_target
+    from .spec import spec_from_any
+
+    base = spec_from_any(ns.spec) if ns.spec else None
+    widths = [int(w) for w in ns.block_widths.split(",")] if ns.block_widths else []
+    gates = ns.gates.split(",") if ns.gates else [base.gate if base else "softplus"]
+    for gate in gates:
+        for n, t, h in parse_shapes(ns.shapes or DEFAULT_SHAPES):
+            fields = (base.canonical() if base else {}) | {"target": device_target(), "gate": gate}
+            chunks = -(-t // fields.get("chunk_size", 64))
+            if widths:
+                kerns = [kdagen.load(fields | {"block_width": w}) for w in widths]
+                autotune.tune_block_width(kerns, n, h, chunks, reps=ns.reps)
+            else:
+                autotune.tune_groups(kdagen.load(fields), n, h, chunks, reps=ns.reps)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kdagen",
@@ -151,7 +188,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="environment: KDAGEN_CACHE_DIR (build cache, default ~/.cache/kdagen), "
                "KDAGEN_ARCH (default --arch list), KDAGEN_REBUILD=1 (rebuild), KDAGEN_VERBOSE=1 "
                "(compiler lines), KDAGEN_JOBS (ninja -j), KDAGEN_GROUPS (force a chunk-group "
-               "count), KDAGEN_CHECK_VALUES=0 (skip host-side value checks)",
+               "count), KDAGEN_AUTOTUNE=1 (tune unseen shapes on first use; off: ignore the "
+               "autotune cache), KDAGEN_CHECK_VALUES=0 (skip host-side value checks)",
     )
     p.add_argument("--version", action="version", version=f"kdagen {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -213,6 +251,21 @@ def parser() -> argparse.ArgumentParser:
     bn.add_argument("--plot", help="write a PNG plot here")
     bn.add_argument("--json", help="write raw results here")
     bn.set_defaults(fn=cmd_bench)
+
+    tu = sub.add_parser("tune", help="measure chunk-group counts (and block widths) per shape, "
+                                     "for this GPU's autotune cache",
+                        description="Time the chunk scan for every candidate group count on "
+                                    "synthetic inputs of each shape and record the fastest in "
+                                    "<cache>/tune/<device>.json, which fused_kda_chunk and "
+                                    "kda_forward use at run time. " + DEFAULT_SPEC_NOTE)
+    tu.add_argument("spec", nargs="?", help="spec YAML (default: the default spec)")
+    tu.add_argument("--shapes", help="comma separated NxT:H list (default: the bench shapes)")
+    tu.add_argument("--block-widths", help="also pick the fastest of these block widths, e.g. "
+                                           "32,64,128 (builds each variant)")
+    tu.add_argument("--gates", help="gate forms, comma separated (default: the spec's)")
+    tu.add_argument("--reps", type=int, default=10, help="timed repetitions per candidate")
+    tu.add_argument("--show", action="store_true", help="print this GPU's recorded choices")
+    tu.set_defaults(fn=cmd_tune)
     return p
 
 

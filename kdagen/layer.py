@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from . import autotune
 from .jit import for_inputs
 
 
@@ -28,6 +29,7 @@ def kda_forward(
     dt_bias: torch.Tensor,
     chunk_size: int = 64,
     groups: int | None = None,
+    block_width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Raw q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g ``[B, T, H, K]`` (before the
     gate), beta ``[B, T, H]`` (before the sigmoid) -> ``(o [B, T, H, V], final_state)``.
@@ -37,7 +39,8 @@ def kda_forward(
     here); kdagen's kernels keep the state V-first, so ``state_v_first=False`` (FLA's
     default ``[N, H, K, V]``) is an error rather than a silent transpose. The l2 norms,
     the gate (softplus form, or lower-bound form when ``lower_bound`` is given) and the
-    beta sigmoid always run in kernel.
+    beta sigmoid always run in kernel. ``block_width`` picks the chunk scan's variant;
+    left out, a width tuned for this shape (``kdagen tune``) is used where one is recorded.
     """
     if not state_v_first:
         raise ValueError("kda_forward: state_v_first=False is not supported: kdagen keeps the "
@@ -69,7 +72,14 @@ def kda_forward(
             raise TypeError(f"kda_forward: argument 'initial_state' must be float32, got "
                             f"{initial_state.dtype}")
         initial_state = initial_state.contiguous()
-    kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size)
+    kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size,
+                      block_width=block_width)
+    if block_width is None and not torch.compiler.is_compiling():
+        chunks_per_seq = -(-q.shape[1] // max(N, 1) // chunk_size)
+        tuned = autotune.recorded_block_width(kern.spec, N, H, chunks_per_seq, q.device)
+        if tuned is not None and tuned != kern.spec.block_width:
+            kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size,
+                              block_width=tuned)
     pro = kern.fused_kda_prologue(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens)
     out = pro["u"]  # the scan reads each chunk's u before it writes that chunk's output
     o, final = kern.fused_kda_chunk(pro["qg"], pro["w"], pro["u"], pro["kg_t"], pro["aqk"],

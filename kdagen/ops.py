@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 import torch
 
 from . import checks as ck
+from . import autotune
 from .groups import chunk_groups, group_workspace, num_compute_units
 from .spec import KernelSpec
 from .varlen import prepare_chunk_indices, prepare_chunk_offsets
@@ -79,6 +80,22 @@ class Kernels:
         if not ck.tracing() and b.data_ptr() % 16 != 0:
             b = b.clone()  # the kernels read dt_bias as float4
         return a.reshape(-1).float().contiguous(), b
+
+    def _choose_groups(self, chunks_per_seq: int, N: int, H: int, dev: torch.device) -> int:
+        """KDAGEN_GROUPS, else a tuned choice from the autotune cache (tuned now with
+        KDAGEN_AUTOTUNE=1 if none is recorded), else the heuristic of groups.py."""
+        D, bv = self.spec.head_dim, self.spec.block_width
+
+        def heuristic() -> int:
+            return chunk_groups(chunks_per_seq, N, H, num_compute_units(dev),
+                                pass_one_blocks=2 * D // bv, pass_two_blocks=D // bv)
+
+        if os.environ.get("KDAGEN_GROUPS") or ck.tracing():
+            return heuristic()
+        g = autotune.recorded_groups(self.spec, N, H, chunks_per_seq, dev)
+        if g is None and autotune.autotune_on_first_use() and not autotune.capturing():
+            g = autotune.tune_groups(self, N, H, chunks_per_seq)["groups"]
+        return g if g is not None else heuristic()
 
     # ---- decode ----------------------------------------------------------------------------
 
@@ -334,9 +351,7 @@ class Kernels:
         if output_final_state:
             final_state = _empty(N, H, D, D, dtype=torch.float32, device=dev)
         if groups is None:
-            bv = self.spec.block_width
-            groups = chunk_groups(nchunks // max(N, 1), N, H, num_compute_units(dev),
-                                  pass_one_blocks=2 * D // bv, pass_two_blocks=D // bv)
+            groups = self._choose_groups(nchunks // max(N, 1), N, H, dev)
         groups = ck.group_count(op, groups)
         workspace = group_workspace(groups, N * H, D, dev)
         fn(qg, w, u, kg_t, aqk, decay, out, cu32, co, _scale(scale, D), initial_state, final_state,

@@ -50,6 +50,8 @@ if [ "${KDAGEN_SANITIZE:-1}" = 1 ] && [ "$build_rc" = 0 ] && command -v compute-
 fi
 bench_rc=skipped
 if [ "${1:-}" != quick ] && [ "$build_rc" = 0 ]; then
+  # measured group counts for the bench shapes into this GPU's autotune cache (used below)
+  python3 -m kdagen.cli tune --gates lower_bound,softplus --reps 10 2>&1 | tee "$LOGS/tune.log"
   python3 -m kdagen.cli bench --reps "${KDAGEN_BENCH_REPS:-30}" --gates "${KDAGEN_BENCH_GATES:-lower_bound,softplus}" --markdown "$OUT/bench.md" \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$LOGS/bench.log"
   bench_rc=${PIPESTATUS[0]}

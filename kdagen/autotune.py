@@ -1,0 +1,284 @@
+"""Measured launch choices: an autotuner with a persistent per-device cache.
+
+``groups.chunk_groups`` guesses the chunk-group count from the grid's shape. The tuner
+measures instead: for a shape class (sequences x heads, chunks per sequence, both rounded
+down to a power of two) it times the chunk scan for every candidate group count on
+synthetic inputs of that class, and, across variants that differ only in block width,
+which block width is fastest end to end. Its choices go to
+``<cache dir>/tune/<device>.json``; ``fused_kda_chunk`` uses a recorded group count
+whenever one exists for its call (``KDAGEN_GROUPS`` and an explicit ``groups=`` still win),
+and ``kda_forward`` a recorded block width.
+
+``kdagen tune`` fills the cache ahead of time; with ``KDAGEN_AUTOTUNE=1`` an unseen shape
+class is tuned on first use (never while tracing or capturing a CUDA graph). A damaged
+cache file is reported with its path and ignored, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from .groups import MAX_GROUPS, chunk_groups, num_compute_units
+from .lock import FileLock
+
+FORMAT = 1
+
+
+def _say(msg: str) -> None:
+    print(f"kdagen: {msg}", file=sys.stderr, flush=True)
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded down to a power of two (0 stays 0)."""
+    return 0 if n <= 0 else 1 << (int(n).bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """What the group choice depends on: grid size and walk length, bucketed."""
+
+    nh: int  # sequences x heads, power of two
+    chunks: int  # chunks per sequence, power of two
+
+    @classmethod
+    def of(cls, num_seqs: int, num_heads: int, chunks_per_seq: int) -> "ShapeClass":
+        return cls(bucket(num_seqs * num_heads), bucket(chunks_per_seq))
+
+    def key(self) -> str:
+        return f"nh{self.nh}-c{self.chunks}"
+
+
+def group_candidates(chunks_per_seq: int, heuristic: int) -> list[int]:
+    """1, the heuristic's choice, and powers of two from 2 while a group keeps at least
+    two chunks (and at most ``MAX_GROUPS``)."""
+    out = {1, max(1, heuristic)}
+    g = 2
+    while g <= min(MAX_GROUPS, chunks_per_seq // 2):
+        out.add(g)
+        g *= 2
+    return sorted(out)
+
+
+def device_tag(device: torch.device | None = None) -> str:
+    """A file-name-safe name of the GPU model and its compute-unit count."""
+    dev = device or torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(dev)
+    return re.sub(r"[^A-Za-z0-9]+", "_", f"{name}_{num_compute_units(dev)}cu").strip("_")
+
+
+def cache_path(tag: str) -> Path:
+    from .build import cache_root
+
+    return cache_root() / "tune" / f"{tag}.json"
+
+
+class TuneCache:
+    """The choices recorded for one device: ``entries[spec key][shape key]``."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def read(self) -> dict:
+        try:
+            st = self.path.stat()
+            seen = _read_cache.get(str(self.path))
+            if seen is not None and seen[0] == (st.st_mtime_ns, st.st_size):
+                return seen[1]
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            _say(f"autotune cache {self.path} unreadable ({e}); using the heuristics")
+            return {}
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(
+                    data.get("entries"), dict):
+                raise ValueError("not a kdagen autotune file of format 1")
+        except ValueError as e:
+            _say(f"autotune cache {self.path} is damaged ({e}); ignoring it (re-run `kdagen tune`)")
+            data = {"entries": {}}
+        _read_cache[str(self.path)] = ((st.st_mtime_ns, st.st_size), data["entries"])
+        return data["entries"]
+
+    def get(self, spec_key: str, shape_key: str) -> dict | None:
+        row = self.read().get(spec_key, {}).get(shape_key)
+        return row if isinstance(row, dict) else None
+
+    def put(self, spec_key: str, shape_key: str, row: dict) -> None:
+        """Merge one choice in, under the cache lock, with an atomic replace."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(self.path.with_suffix(".lock"), quiet=True):
+                entries = json.loads(json.dumps(self.read()))  # a copy: the parsed file is shared
+                entries.setdefault(spec_key, {})[shape_key] = row
+                tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1,
+                                          sort_keys=True))
+                os.replace(tmp, self.path)
+                st = self.path.stat()  # this process sees its own write, however coarse mtime is
+                _read_cache[str(self.path)] = ((st.st_mtime_ns, st.st_size), entries)
+        except OSError as e:
+            _say(f"autotune cache {self.path} not written ({e}); the choice holds for this "
+                 "process only")
+            _memory.setdefault(str(self.path), {}).setdefault(spec_key, {})[shape_key] = row
+
+
+_memory: dict[str, dict] = {}  # choices that could not be written, per cache file
+_read_cache: dict[str, tuple[tuple[int, int], dict]] = {}  # parsed files by (mtime, size)
+
+
+def _lookup(path: Path, spec_key: str, shape_key: str) -> dict | None:
+    row = _memory.get(str(path), {}).get(spec_key, {}).get(shape_key)
+    return row if row is not None else TuneCache(path).get(spec_key, shape_key)
+
+
+def pick_fastest(candidates: Iterable[int], time_one: Callable[[int], float]) -> tuple[int, dict]:
+    """The candidate with the smallest measured time, and every time measured."""
+    times = {int(c): float(time_one(int(c))) for c in candidates}
+    best = min(times, key=lambda c: (times[c], c))
+    return best, times
+
+
+def chunk_spec_key(spec) -> str:
+    """Group choices depend on the whole variant (block width included)."""
+    return spec.name
+
+
+def width_spec_key(spec) -> str:
+    """Block-width choices compare variants that differ only in block width."""
+    return re.sub(r"_bv\d+", "", spec.name)
+
+
+def recorded_groups(spec, num_seqs: int, num_heads: int, chunks_per_seq: int,
+                    device: torch.device) -> int | None:
+    """The tuned group count for this call's shape class, if one is recorded."""
+    if os.environ.get("KDAGEN_AUTOTUNE", "") == "off" or device.type != "cuda":
+        return None
+    shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
+    row = _lookup(cache_path(device_tag(device)), chunk_spec_key(spec), shape.key())
+    if row is None:
+        return None
+    g = row.get("groups")
+    return g if isinstance(g, int) and 1 <= g <= MAX_GROUPS else None
+
+
+def recorded_block_width(spec, num_seqs: int, num_heads: int, chunks_per_seq: int,
+                         device: torch.device) -> int | None:
+    """The tuned block width for variants like ``spec``, if one is recorded."""
+    if os.environ.get("KDAGEN_AUTOTUNE", "") == "off" or device.type != "cuda":
+        return None
+    shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
+    row = _lookup(cache_path(device_tag(device)), width_spec_key(spec), shape.key())
+    bv = row.get("block_width") if row else None
+    return bv if isinstance(bv, int) and bv > 0 else None
+
+
+def autotune_on_first_use() -> bool:
+    return os.environ.get("KDAGEN_AUTOTUNE", "") == "1"
+
+
+def capturing() -> bool:
+    """True while the current stream captures a CUDA graph (no timing runs then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# ---- measuring on a GPU ------------------------------------------------------------------------
+
+
+def _time_ms(fn: Callable[[], object], reps: int) -> float:
+    import statistics
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _synthetic(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, seed: int = 0):
+    from .testing import make_inputs
+
+    spec = kern.spec
+    D, C = spec.head_dim, spec.chunk_size
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.io_dtype]
+    x = make_inputs([chunks_per_seq * C] * num_seqs, num_heads, D, dtype=dtype, gate=spec.gate,
+                    seed=seed)
+    return x
+
+
+def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, reps: int = 10,
+                quiet: bool = False) -> dict:
+    """Time the chunk scan of ``kern`` for every candidate group count on synthetic inputs
+    of this shape class; record and return the choice."""
+    spec = kern.spec
+    dev = torch.device("cuda", torch.cuda.current_device())
+    shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
+    x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq)
+    p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    out = torch.empty_like(p["u"])
+    init = torch.randn(num_seqs, num_heads, spec.head_dim, spec.head_dim, device=dev) * 0.05
+    bv, D = spec.block_width, spec.head_dim
+    heuristic = chunk_groups(chunks_per_seq, num_seqs, num_heads, num_compute_units(dev),
+                             pass_one_blocks=2 * D // bv, pass_two_blocks=D // bv)
+
+    def run(g: int) -> float:
+        return _time_ms(lambda: kern.fused_kda_chunk(
+            p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], out, None, x.cu_seqlens,
+            init, True, groups=g), reps)
+
+    best, times = pick_fastest(group_candidates(chunks_per_seq, heuristic), run)
+    row = {"groups": best, "heuristic": heuristic, "ms": {str(g): round(t, 4) for g, t in times.items()},
+           "shape": [num_seqs, num_heads, chunks_per_seq], "date": time.strftime("%Y-%m-%d")}
+    TuneCache(cache_path(device_tag(dev))).put(chunk_spec_key(spec), shape.key(), row)
+    if not quiet:
+        _say(f"tuned {spec.name} {shape.key()}: groups {best} "
+             f"({', '.join(f'{g}: {t:.3f} ms' for g, t in times.items())}; heuristic {heuristic})")
+    return row
+
+
+def tune_block_width(kerns: list, num_seqs: int, num_heads: int, chunks_per_seq: int, *,
+                     reps: int = 10, quiet: bool = False) -> dict:
+    """End-to-end (prologue + chunk, each at its tuned group count) across variants that
+    differ only in block width; record and return the choice."""
+    keys = {width_spec_key(k.spec) for k in kerns}
+    if len(keys) != 1:
+        raise ValueError(f"tune_block_width: the variants must differ only in block_width, got "
+                         f"{sorted(k.spec.name for k in kerns)}")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
+    times = {}
+    for kern in kerns:
+        g = tune_groups(kern, num_seqs, num_heads, chunks_per_seq, reps=reps, quiet=quiet)["groups"]
+        x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq, seed=1)
+
+        def end_to_end(kern=kern, x=x, g=g):
+            p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+            return kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
+                                        p["u"], None, x.cu_seqlens, None, True, groups=g)
+
+        times[kern.spec.block_width] = _time_ms(end_to_end, reps)
+        del x
+    best = min(times, key=lambda b: (times[b], -b))
+    row = {"block_width": best, "ms": {str(b): round(t, 4) for b, t in times.items()},
+           "shape": [num_seqs, num_heads, chunks_per_seq], "date": time.strftime("%Y-%m-%d")}
+    TuneCache(cache_path(device_tag(dev))).put(keys.pop(), shape.key(), row)
+    if not quiet:
+        _say(f"tuned block width for {shape.key()}: {best} "
+             f"({', '.join(f'bv{b}: {t:.3f} ms' for b, t in times.items())})")
+    return row

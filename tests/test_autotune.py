@@ -1,0 +1,171 @@
+"""The autotuner's cache and choices, on CPU (timings faked; GPU timing is in `kdagen tune`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+
+from kdagen import autotune as at
+from kdagen.ops import Kernels
+from kdagen.spec import KernelSpec
+
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KDAGEN_AUTOTUNE", raising=False)
+    monkeypatch.delenv("KDAGEN_GROUPS", raising=False)
+    monkeypatch.setattr(at, "device_tag", lambda device=None: "Fake_GPU_132cu")
+    at._memory.clear()
+    at._read_cache.clear()
+    return at.cache_path("Fake_GPU_132cu")
+
+
+def spec(**fields):
+    return KernelSpec.parse(fields)
+
+
+@pytest.mark.parametrize("n, want", [(0, 0), (1, 1), (2, 2), (3, 2), (32, 32), (33, 32), (1000, 512)])
+def test_bucket(n, want):
+    assert at.bucket(n) == want
+
+
+def test_shape_class_key():
+    assert at.ShapeClass.of(1, 32, 512).key() == "nh32-c512"
+    assert at.ShapeClass.of(3, 11, 70).key() == "nh32-c64"  # 33 -> 32, 70 -> 64
+
+
+def test_group_candidates():
+    assert at.group_candidates(512, 4) == [1, 2, 4, 8, 16, 32]
+    assert at.group_candidates(6, 1) == [1, 2]
+    assert at.group_candidates(1, 1) == [1]
+    assert 12 in at.group_candidates(512, 12)  # the heuristic's own choice is always timed
+
+
+def test_pick_fastest_takes_the_minimum_and_reports_every_time():
+    fake = {1: 3.0, 2: 2.0, 4: 1.5, 8: 1.5, 16: 4.0}
+    best, times = at.pick_fastest(fake, lambda g: fake[g])
+    assert best == 4  # ties go to fewer groups (less workspace)
+    assert times == fake
+
+
+def test_cache_roundtrip_and_merge(cache):
+    c = at.TuneCache(cache)
+    assert c.get("a", "nh32-c512") is None
+    c.put("a", "nh32-c512", {"groups": 4})
+    c.put("a", "nh8-c2048", {"groups": 16})
+    c.put("b", "nh32-c512", {"groups": 1})
+    assert c.get("a", "nh32-c512") == {"groups": 4}
+    assert c.get("a", "nh8-c2048") == {"groups": 16}
+    data = json.loads(cache.read_text())
+    assert data["format"] == 1 and set(data["entries"]) == {"a", "b"}
+    c.put("a", "nh32-c512", {"groups": 8})  # replaces
+    assert at.TuneCache(cache).get("a", "nh32-c512") == {"groups": 8}
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[]", '{"format": 99, "entries": {}}',
+                                    '{"format": 1, "entries": []}', ""])
+def test_damaged_cache_is_reported_and_ignored(cache, capsys, damage):
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(damage)
+    assert at.TuneCache(cache).get("a", "nh32-c512") is None
+    assert str(cache) in capsys.readouterr().err
+    at.TuneCache(cache).put("a", "nh32-c512", {"groups": 4})  # a new choice replaces the damage
+    assert at.TuneCache(cache).get("a", "nh32-c512") == {"groups": 4}
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_unwritable_cache_keeps_the_choice_in_memory(cache, capsys):
+    cache.parent.mkdir(parents=True)
+    cache.parent.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        at.TuneCache(cache).put("a", "nh32-c512", {"groups": 4})
+        assert "not written" in capsys.readouterr().err
+        assert at._lookup(cache, "a", "nh32-c512") == {"groups": 4}
+    finally:
+        cache.parent.chmod(stat.S_IRWXU)
+
+
+def test_cache_under_a_regular_file_keeps_the_choice_in_memory(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    path = blocker / "tune" / "Fake.json"
+    at._memory.clear()
+    at.TuneCache(path).put("a", "nh32-c512", {"groups": 4})
+    assert str(path) in capsys.readouterr().err
+    assert at._lookup(path, "a", "nh32-c512") == {"groups": 4}
+
+
+def test_recorded_groups(cache, monkeypatch):
+    s = spec()
+    assert at.recorded_groups(s, 1, 32, 512, CUDA0) is None
+    at.TuneCache(cache).put(at.chunk_spec_key(s), "nh32-c512", {"groups": 8})
+    assert at.recorded_groups(s, 1, 32, 512, CUDA0) == 8
+    assert at.recorded_groups(s, 1, 32, 600, CUDA0) == 8  # same class: 600 -> 512
+    assert at.recorded_groups(s, 1, 32, 1024, CUDA0) is None
+    assert at.recorded_groups(spec(block_width=64), 1, 32, 512, CUDA0) is None  # other variant
+    assert at.recorded_groups(s, 1, 32, 512, torch.device("cpu")) is None
+    monkeypatch.setenv("KDAGEN_AUTOTUNE", "off")
+    assert at.recorded_groups(s, 1, 32, 512, CUDA0) is None
+
+
+@pytest.mark.parametrize("bad", [0, 33, "4", None, 2.5])
+def test_recorded_groups_out_of_range_is_ignored(cache, bad):
+    s = spec()
+    at.TuneCache(cache).put(at.chunk_spec_key(s), "nh32-c512", {"groups": bad})
+    assert at.recorded_groups(s, 1, 32, 512, CUDA0) is None
+
+
+def test_recorded_block_width_is_shared_across_widths(cache):
+    assert at.width_spec_key(spec(block_width=32)) == at.width_spec_key(spec(block_width=128))
+    assert at.width_spec_key(spec(gate="lower_bound")) != at.width_spec_key(spec())
+    at.TuneCache(cache).put(at.width_spec_key(spec()), "nh32-c512", {"block_width": 64})
+    assert at.recorded_block_width(spec(block_width=32), 1, 32, 512, CUDA0) == 64
+
+
+def _kernels(monkeypatch) -> Kernels:
+    monkeypatch.setattr("kdagen.ops.num_compute_units", lambda dev: 132)
+    return Kernels(spec(), {})
+
+
+def test_chunk_op_uses_the_recorded_group_count(cache, monkeypatch):
+    k = _kernels(monkeypatch)
+    heuristic = k._choose_groups(512, 1, 32, CUDA0)
+    at.TuneCache(cache).put(at.chunk_spec_key(k.spec), "nh32-c512", {"groups": 16})
+    assert heuristic != 16 and k._choose_groups(512, 1, 32, CUDA0) == 16
+    monkeypatch.setenv("KDAGEN_GROUPS", "3")  # the test override still wins
+    assert k._choose_groups(512, 1, 32, CUDA0) == 3
+
+
+def test_autotune_on_first_use_tunes_unseen_shapes_once(cache, monkeypatch):
+    k = _kernels(monkeypatch)
+    calls = []
+
+    def fake_tune(kern, n, h, chunks, **kw):
+        calls.append((n, h, chunks))
+        at.TuneCache(at.cache_path(at.device_tag())).put(at.chunk_spec_key(kern.spec),
+                                            at.ShapeClass.of(n, h, chunks).key(), {"groups": 8})
+        return {"groups": 8}
+
+    monkeypatch.setattr(at, "tune_groups", fake_tune)
+    monkeypatch.setattr(at, "capturing", lambda: False)
+    assert k._choose_groups(512, 1, 32, CUDA0) != 8 and calls == []  # off by default
+    monkeypatch.setenv("KDAGEN_AUTOTUNE", "1")
+    assert k._choose_groups(512, 1, 32, CUDA0) == 8
+    assert k._choose_groups(512, 1, 32, CUDA0) == 8
+    assert calls == [(1, 32, 512)]  # the second call found the recorded choice
+    monkeypatch.setattr(at, "capturing", lambda: True)
+    assert k._choose_groups(64, 1, 32, CUDA0) != 8 and len(calls) == 1  # never while capturing
+
+
+def test_cli_tune_without_a_gpu_is_a_clear_error(capsys):
+    from kdagen.cli import main
+
+    assert main(["tune", "--show"]) == 1
+    assert "no GPU" in capsys.readouterr().err
