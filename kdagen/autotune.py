@@ -22,6 +22,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -71,6 +72,12 @@ def group_candidates(chunks_per_seq: int, heuristic: int) -> list[int]:
 def device_tag(device: torch.device | None = None) -> str:
     """A file-name-safe name of the GPU model and its compute-unit count."""
     dev = device or torch.device("cuda", torch.cuda.current_device())
+    return _device_tag(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=None)
+def _device_tag(index: int) -> str:  # read once per device
+    dev = torch.device("cuda", index)
     name = torch.cuda.get_device_name(dev)
     return re.sub(r"[^A-Za-z0-9]+", "_", f"{name}_{num_compute_units(dev)}cu").strip("_")
 
