@@ -585,3 +585,31 @@ def causal_conv_reference(
         if new_state is not None and idx[n] >= 0 and W > 1:
             new_state[idx[n]] = xp[xp.shape[0] - (W - 1) :].transpose(0, 1).to(new_state.dtype)
     return y.unsqueeze(0), new_state
+
+
+def blocked_unit_lower_inverse(L: Tensor, block: int = 16) -> Tensor:
+    """(I + L)^-1 for strictly lower-triangular ``L`` [C, C], in the order the prologue's
+    matrix-unit solve computes it (prologue.h, phase 6): each diagonal block's inverse by
+    forward substitution, then block row by block row
+    ``Ainv_ij = -Inv_ii * sum_{k=j}^{i-1} L_ik Ainv_kj``. Only L's strictly lower entries
+    are read. A mirror of the kernel's algorithm for the CPU tests, not a fast path."""
+    C = L.shape[-1]
+    if C % block:
+        raise ValueError(f"blocked_unit_lower_inverse: size {C} is not a multiple of {block}")
+    nb = C // block
+    A = torch.zeros_like(L)
+    blk = lambda i, j: (slice(block * i, block * (i + 1)), slice(block * j, block * (j + 1)))
+    for b in range(nb):
+        Lb = L[blk(b, b)]
+        inv = torch.zeros_like(Lb)
+        for c in range(block):
+            x = torch.zeros(block, dtype=L.dtype, device=L.device)
+            for r in range(block):
+                x[r] = (1.0 if r == c else 0.0) - (Lb[r, :r] * x[:r]).sum()
+            inv[:, c] = x
+        A[blk(b, b)] = inv
+    for i in range(1, nb):
+        for j in range(i):
+            t = sum(L[blk(i, k)] @ A[blk(k, j)] for k in range(j, i))
+            A[blk(i, j)] = -A[blk(i, i)] @ t
+    return A

@@ -576,3 +576,23 @@ def test_causal_conv_without_state():
     assert torch.equal(y2, y) and new2.dtype == state.dtype
     assert torch.equal(new2[2], torch.cat([torch.zeros(Ch, W - 2), x[0, 7:8].T], 1))
     assert torch.equal(new2[0], x[0, 4:7].T)
+
+
+@pytest.mark.parametrize("C", [16, 32, 64])
+def test_blocked_unit_lower_inverse_matches_the_inverse(C):
+    from kdagen.reference import blocked_unit_lower_inverse
+
+    gen = torch.Generator().manual_seed(C)
+    L = torch.randn(C, C, generator=gen, dtype=torch.float64) * 0.2
+    garbage = torch.triu(torch.randn(C, C, generator=gen, dtype=torch.float64) * 100)
+    A = blocked_unit_lower_inverse(torch.tril(L, -1) + garbage)  # upper part must not be read
+    want = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + torch.tril(L, -1))
+    assert torch.allclose(A, want, atol=1e-12, rtol=0)
+    assert torch.equal(torch.triu(A, 1), torch.zeros_like(A))
+
+
+def test_blocked_unit_lower_inverse_refuses_a_partial_block():
+    from kdagen.reference import blocked_unit_lower_inverse
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        blocked_unit_lower_inverse(torch.zeros(24, 24))
