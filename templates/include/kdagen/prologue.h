@@ -13,13 +13,23 @@
 // exp2(G_i - G_j) is never formed as a ratio. Off-diagonal 16x16 blocks (rows of
 // block bi, columns of block bj < bi) take the first row r of block bi as
 // reference: the factors 2^(G_i - G_r) and 2^(G_r - G_j) are both <= 1, and their
-// product goes through the matrix units. Diagonal blocks use the exact difference
-// per pair. The solve for w and u is a forward substitution in fp32, one thread
-// per output column.
+// product goes through the matrix units. Diagonal blocks: with a lower-bounded gate
+// (|bound| <= kDiagMmaMaxBound) the block's middle row is the reference, the factors
+// stay below 2^92 and the block goes through the matrix units in bf16 (masked entries
+// above the diagonal may overflow; they are selected away, never scaled). Otherwise
+// (softplus gates, unbounded) a wave per row takes the exact difference per pair.
 //
-// LDS plan (C x D): G fp32 [C][D + pad] (reused for L once G is dead), k in the io
-// dtype [C][D + pad] (overwritten in place by b k^ 2^G for the solve), and three
-// fp32 row vectors rk, rq, beta.
+// The solve for w and u (kMmaSolve, where LDS allows: sm_90, gfx950): (I + L)^-1 by
+// 16-row blocks in fp32 in place of L, then its bf16 copy times the right-hand sides on
+// the matrix units. Elsewhere: forward substitution in fp32, one thread per column.
+//
+// Loads: every global read of the chunk (k, q, the raw gate, beta) is issued in phase 1
+// as 16-byte loads; the cumulative gate is a column scan in LDS.
+//
+// LDS plan (C x D): G fp32 [C][D + pad] (reused for L, and for (I + L)^-1 in bf16, once
+// G is dead), k in the io dtype [C][D + pad] (overwritten in place by b k^ 2^G for the
+// solve), q where LDS allows (then v, for the matrix-unit solve), and three fp32 row
+// vectors rk, rq, beta.
 #pragma once
 
 #include "launch_args.h"
