@@ -571,9 +571,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
         if (i < valid) dst[i * row_hd + c] = from_float<Io>(x);
       });
     }
-    return;
-  }
-
+  } else {
   // ---- phase 6 (otherwise): forward substitution, one thread per output column ----------
   // By 16-row blocks: the rows of a block first take every earlier block's terms as 16
   // independent accumulations (float4 reads of L), then solve inside the block.
@@ -612,6 +610,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     for (int i = 0; i < C; ++i)
       if (i < valid) dst[(t0 + i) * row_hd + h * D + d] = from_float<Io>(y[i]);
   }
+  }  // kMmaSolve
 }
 
 // After the prologue has read every sequence's conv history: store each
