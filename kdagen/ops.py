@@ -292,7 +292,8 @@ class Kernels:
         nchunks = kg.shape[0]
         ck.tensor(op, "kg_t", kg_t, shape=(nchunks, H, D, C))
         ck.tensor(op, "aqk", aqk, shape=(1, T, H, C), dtypes=(dt,), contiguous=True, aligned=16)
-        ck.tensor(op, "decay", decay, shape=(nchunks, H, D), dtypes=(torch.float32,), contiguous=True)
+        ck.tensor(op, "decay", decay, shape=(nchunks, H, D), dtypes=(torch.float32,), contiguous=True,
+                  aligned=16)  # read as 16-byte copies
         dev = self._gpu(op, qg, "qg")
         ck.same_device(op, qg, w=w, u=u, kg_t=kg_t, aqk=aqk, decay=decay, out=out)
         cu = ck.cu_seqlens(op, cu_seqlens, T, dev)

@@ -727,7 +727,7 @@ CH_BAD += tensor_cases(
     "aqk", dtype_bad=F32, rank=lambda t: t[0], pre=True, contig=True, align=True,
     shape=[lambda t: resized(t, 1), lambda t: resized(t, 2), lambda t: resized(t, 3, C)])
 CH_BAD += tensor_cases(
-    "decay", dtype_bad=BF, rank=lambda t: t.unsqueeze(0), pre=True, contig=True,
+    "decay", dtype_bad=BF, rank=lambda t: t.unsqueeze(0), pre=True, contig=True, align=True,
     shape=[lambda t: resized(t, 0, -1), lambda t: resized(t, 1), lambda t: resized(t, 2)])
 CH_BAD += CU_BAD
 CH_BAD += tensor_cases(
@@ -1147,8 +1147,8 @@ def test_varlen_zero_length_sequence():
 
 # ---- hypothesis: fuzz the chunk op's arguments ---------------------------------------------
 
-ALIGNED = ("qg", "w", "u", "out", "kg_t", "aqk")
-CONTIG = ALIGNED + ("decay", "initial_state", "state_cache", "checkpoint_state")
+ALIGNED = ("qg", "w", "u", "out", "kg_t", "aqk", "decay")
+CONTIG = ALIGNED + ("initial_state", "state_cache", "checkpoint_state")
 ALLOWED = {**{n: (BF,) for n in ALIGNED}, "decay": (F32,), "initial_state": (F32,),
            "state_cache": (F32,), "checkpoint_state": (F32,), "has_initial_state": (torch.bool,),
            **{n: (I32, I64) for n in ("cu_seqlens", "state_indices", "checkpoint_offsets",
