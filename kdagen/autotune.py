@@ -10,8 +10,13 @@ whenever one exists for its call (``KDAGEN_GROUPS`` and an explicit ``groups=`` 
 and ``kda_forward`` a recorded block width.
 
 ``kdagen tune`` fills the cache ahead of time; with ``KDAGEN_AUTOTUNE=1`` an unseen shape
-class is tuned on first use (never while tracing or capturing a CUDA graph). A damaged
-cache file is reported with its path and ignored, never fatal.
+class is tuned on first use (never while capturing a CUDA graph; it allocates about two
+batches of the shape and takes a few hundred milliseconds), with ``KDAGEN_AUTOTUNE=0`` (or
+``off``) the cache is ignored. Inside ``torch.compile`` tracing the heuristic decides (no
+file is read into a graph), so compiled and eager calls may pick different group counts;
+the results agree to rounding. Keys include the templates' digest: a new kernel version
+starts from the heuristic again. A damaged cache file is reported with its path and
+ignored, never fatal; one written by a newer kdagen is left alone.
 """
 
 from __future__ import annotations
@@ -88,65 +93,99 @@ def cache_path(tag: str) -> Path:
     return cache_root() / "tune" / f"{tag}.json"
 
 
+class CacheUnreadable(Exception):
+    """The tune file exists but cannot be read: it must not be overwritten."""
+
+
+def _valid_entries(data: object) -> dict:
+    """``data["entries"]`` if ``data`` is a format-1 tune file, else ValueError."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError("not a kdagen autotune file of format 1")
+    entries = data.get("entries")
+    if not isinstance(entries, dict) or not all(
+            isinstance(rows, dict) and all(isinstance(r, dict) for r in rows.values())
+            for rows in entries.values()):
+        raise ValueError("its entries are not {spec: {shape: {...}}}")
+    return entries
+
+
 class TuneCache:
     """The choices recorded for one device: ``entries[spec key][shape key]``."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
 
-    def read(self) -> dict:
+    def _load(self, *, memo: bool) -> dict:
+        """Parsed entries; {} for a missing or damaged file (said once per version of it);
+        CacheUnreadable when the file exists but cannot be read."""
         try:
             st = self.path.stat()
-            seen = _read_cache.get(str(self.path))
-            if seen is not None and seen[0] == (st.st_mtime_ns, st.st_size):
-                return seen[1]
-            text = self.path.read_text()
         except FileNotFoundError:
             return {}
         except OSError as e:
-            _say(f"autotune cache {self.path} unreadable ({e}); using the heuristics")
-            return {}
+            raise CacheUnreadable(f"{self.path}: {e}") from None
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        seen = _read_cache.get(str(self.path))
+        if memo and seen is not None and seen[0] == stamp:
+            return seen[1]
         try:
-            data = json.loads(text)
-            if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(
-                    data.get("entries"), dict):
-                raise ValueError("not a kdagen autotune file of format 1")
-        except ValueError as e:
-            _say(f"autotune cache {self.path} is damaged ({e}); ignoring it (re-run `kdagen tune`)")
-            data = {"entries": {}}
-        _read_cache[str(self.path)] = ((st.st_mtime_ns, st.st_size), data["entries"])
-        return data["entries"]
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise CacheUnreadable(f"{self.path}: {e}") from None
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            if isinstance(data, dict) and isinstance(data.get("format"), int) and data["format"] > FORMAT:
+                raise CacheUnreadable(f"{self.path} has format {data['format']}, written by a newer "
+                                      "kdagen")
+            entries = _valid_entries(data)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            if seen is None or seen[0] != stamp:
+                _say(f"autotune cache {self.path} is damaged ({type(e).__name__}: {e}); ignoring "
+                     "it (the next `kdagen tune` replaces it)")
+            entries = {}
+        _read_cache[str(self.path)] = (stamp, entries)
+        return entries
+
+    def read(self) -> dict:
+        try:
+            return self._load(memo=True)
+        except CacheUnreadable as e:
+            _say(f"autotune cache unreadable ({e}); using the heuristics")
+            return {}
 
     def get(self, spec_key: str, shape_key: str) -> dict | None:
         row = self.read().get(spec_key, {}).get(shape_key)
         return row if isinstance(row, dict) else None
 
     def put(self, spec_key: str, shape_key: str, row: dict) -> None:
-        """Merge one choice in, under the cache lock, with an atomic replace."""
+        """Merge one choice in, under the cache lock (re-reading the file there), with an
+        atomic replace. A file that exists but cannot be read is left alone."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(self.path.with_suffix(".lock"), quiet=True):
-                entries = json.loads(json.dumps(self.read()))  # a copy: the parsed file is shared
+                entries = json.loads(json.dumps(self._load(memo=False)))  # a private copy
                 entries.setdefault(spec_key, {})[shape_key] = row
                 tmp = self.path.with_suffix(f".tmp{os.getpid()}")
                 tmp.write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1,
                                           sort_keys=True))
                 os.replace(tmp, self.path)
                 st = self.path.stat()  # this process sees its own write, however coarse mtime is
-                _read_cache[str(self.path)] = ((st.st_mtime_ns, st.st_size), entries)
-        except OSError as e:
+                _read_cache[str(self.path)] = ((st.st_ino, st.st_mtime_ns, st.st_size), entries)
+        except (OSError, CacheUnreadable) as e:
             _say(f"autotune cache {self.path} not written ({e}); the choice holds for this "
                  "process only")
             _memory.setdefault(str(self.path), {}).setdefault(spec_key, {})[shape_key] = row
 
 
 _memory: dict[str, dict] = {}  # choices that could not be written, per cache file
-_read_cache: dict[str, tuple[tuple[int, int], dict]] = {}  # parsed files by (mtime, size)
+_read_cache: dict[str, tuple[tuple[int, int, int], dict]] = {}  # parsed files by (inode, mtime, size)
 
 
 def _lookup(path: Path, spec_key: str, shape_key: str) -> dict | None:
-    row = _memory.get(str(path), {}).get(spec_key, {}).get(shape_key)
-    return row if row is not None else TuneCache(path).get(spec_key, shape_key)
+    row = TuneCache(path).get(spec_key, shape_key)
+    return row if row is not None else _memory.get(str(path), {}).get(spec_key, {}).get(shape_key)
 
 
 def pick_fastest(candidates: Iterable[int], time_one: Callable[[int], float]) -> tuple[int, dict]:
@@ -156,42 +195,61 @@ def pick_fastest(candidates: Iterable[int], time_one: Callable[[int], float]) ->
     return best, times
 
 
+@lru_cache(maxsize=1)
+def _code_version() -> str:
+    """Measurements hold for one version of the kernels: the templates' digest."""
+    from .render import templates_digest
+
+    return templates_digest()[:12]
+
+
 def chunk_spec_key(spec) -> str:
-    """Group choices depend on the whole variant (block width included)."""
-    return spec.name
+    """Group choices depend on the whole variant (block width included) and its code."""
+    return f"{spec.name}@{_code_version()}"
 
 
 def width_spec_key(spec) -> str:
     """Block-width choices compare variants that differ only in block width."""
-    return re.sub(r"_bv\d+", "", spec.name)
+    return f"{re.sub(r'_bv[0-9]+', '', spec.name)}@{_code_version()}"
+
+
+def _disabled() -> bool:
+    return os.environ.get("KDAGEN_AUTOTUNE", "").strip().lower() in ("0", "off", "no", "false")
 
 
 def recorded_groups(spec, num_seqs: int, num_heads: int, chunks_per_seq: int,
                     device: torch.device) -> int | None:
     """The tuned group count for this call's shape class, if one is recorded."""
-    if os.environ.get("KDAGEN_AUTOTUNE", "") == "off" or device.type != "cuda":
+    if _disabled() or device.type != "cuda":
         return None
     shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
     row = _lookup(cache_path(device_tag(device)), chunk_spec_key(spec), shape.key())
     if row is None:
         return None
     g = row.get("groups")
-    return g if isinstance(g, int) and 1 <= g <= MAX_GROUPS else None
+    ok = isinstance(g, int) and not isinstance(g, bool) and 1 <= g <= MAX_GROUPS
+    return g if ok else None
 
 
 def recorded_block_width(spec, num_seqs: int, num_heads: int, chunks_per_seq: int,
                          device: torch.device) -> int | None:
     """The tuned block width for variants like ``spec``, if one is recorded."""
-    if os.environ.get("KDAGEN_AUTOTUNE", "") == "off" or device.type != "cuda":
+    if _disabled() or device.type != "cuda":
         return None
     shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
     row = _lookup(cache_path(device_tag(device)), width_spec_key(spec), shape.key())
     bv = row.get("block_width") if row else None
-    return bv if isinstance(bv, int) and bv > 0 else None
+    if not isinstance(bv, int) or isinstance(bv, bool):
+        return None
+    try:  # a width the validator refuses for this spec is ignored, never fatal
+        type(spec).parse({**spec.canonical(), "block_width": bv})
+    except ValueError:
+        return None
+    return bv
 
 
 def autotune_on_first_use() -> bool:
-    return os.environ.get("KDAGEN_AUTOTUNE", "") == "1"
+    return os.environ.get("KDAGEN_AUTOTUNE", "").strip().lower() in ("1", "on", "yes", "true")
 
 
 def capturing() -> bool:
@@ -218,28 +276,37 @@ def _time_ms(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def _synthetic(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, seed: int = 0):
+def _synthetic(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, device: torch.device,
+               seed: int = 0):
+    """Inputs of the shape class, from a private generator (the caller's RNG state is
+    left alone)."""
     from .testing import make_inputs
 
     spec = kern.spec
     D, C = spec.head_dim, spec.chunk_size
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.io_dtype]
-    x = make_inputs([chunks_per_seq * C] * num_seqs, num_heads, D, dtype=dtype, gate=spec.gate,
-                    seed=seed)
-    return x
+    return make_inputs([chunks_per_seq * C] * num_seqs, num_heads, D, dtype=dtype, gate=spec.gate,
+                       seed=seed, device=device)
+
+
+def _gpu(device: torch.device | None) -> torch.device:
+    dev = device or torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, reps: int = 10,
-                quiet: bool = False) -> dict:
+                quiet: bool = False, device: torch.device | None = None) -> dict:
     """Time the chunk scan of ``kern`` for every candidate group count on synthetic inputs
-    of this shape class; record and return the choice."""
+    of this shape class, on ``device`` (default: the current GPU); record and return the
+    choice. Allocates about two batches of that shape while it runs."""
     spec = kern.spec
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _gpu(device)
     shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
-    x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq)
+    x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq, dev)
     p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
     out = torch.empty_like(p["u"])
-    init = torch.randn(num_seqs, num_heads, spec.head_dim, spec.head_dim, device=dev) * 0.05
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    init = (torch.randn(num_seqs, num_heads, spec.head_dim, spec.head_dim, generator=gen) * 0.05).to(dev)
     bv, D = spec.block_width, spec.head_dim
     heuristic = chunk_groups(chunks_per_seq, num_seqs, num_heads, num_compute_units(dev),
                              pass_one_blocks=2 * D // bv, pass_two_blocks=D // bv)
@@ -249,7 +316,8 @@ def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, rep
             p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], out, None, x.cu_seqlens,
             init, True, groups=g), reps)
 
-    best, times = pick_fastest(group_candidates(chunks_per_seq, heuristic), run)
+    with torch.cuda.device(dev):
+        best, times = pick_fastest(group_candidates(chunks_per_seq, heuristic), run)
     row = {"groups": best, "heuristic": heuristic, "ms": {str(g): round(t, 4) for g, t in times.items()},
            "shape": [num_seqs, num_heads, chunks_per_seq], "date": time.strftime("%Y-%m-%d")}
     TuneCache(cache_path(device_tag(dev))).put(chunk_spec_key(spec), shape.key(), row)
@@ -260,26 +328,28 @@ def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, rep
 
 
 def tune_block_width(kerns: list, num_seqs: int, num_heads: int, chunks_per_seq: int, *,
-                     reps: int = 10, quiet: bool = False) -> dict:
+                     reps: int = 10, quiet: bool = False, device: torch.device | None = None) -> dict:
     """End-to-end (prologue + chunk, each at its tuned group count) across variants that
     differ only in block width; record and return the choice."""
     keys = {width_spec_key(k.spec) for k in kerns}
     if len(keys) != 1:
         raise ValueError(f"tune_block_width: the variants must differ only in block_width, got "
                          f"{sorted(k.spec.name for k in kerns)}")
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _gpu(device)
     shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
     times = {}
     for kern in kerns:
-        g = tune_groups(kern, num_seqs, num_heads, chunks_per_seq, reps=reps, quiet=quiet)["groups"]
-        x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq, seed=1)
+        g = tune_groups(kern, num_seqs, num_heads, chunks_per_seq, reps=reps, quiet=quiet,
+                        device=dev)["groups"]
+        x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq, dev, seed=1)
 
         def end_to_end(kern=kern, x=x, g=g):
             p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
             return kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
                                         p["u"], None, x.cu_seqlens, None, True, groups=g)
 
-        times[kern.spec.block_width] = _time_ms(end_to_end, reps)
+        with torch.cuda.device(dev):
+            times[kern.spec.block_width] = _time_ms(end_to_end, reps)
         del x
     best = min(times, key=lambda b: (times[b], -b))
     row = {"block_width": best, "ms": {str(b): round(t, 4) for b, t in times.items()},

@@ -407,13 +407,14 @@ def cached_entries() -> list[dict]:
 
 
 def clear_cache() -> int:
-    """Remove every entry (and stale locks of no running build); return how many."""
+    """Remove every build entry (and stale locks of no running build); return how many.
+    The autotuner's ``tune/`` folder stays."""
     root = cache_root()
     if not root.is_dir():
         return 0
     n = 0
     for d in sorted(root.iterdir()):
-        if not d.is_dir():
+        if not d.is_dir() or d.name == "tune":  # tune/: measured choices, not builds
             continue
         if d.name == "sets":
             for s in sorted(d.iterdir()):

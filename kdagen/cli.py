@@ -7,6 +7,7 @@
     kdagen targets                                           the GPUs kdagen knows
     kdagen cache list|clear                                  the build cache
     kdagen bench [...]                                       kdagen vs fla.ops.kda.chunk_kda (GPU)
+    kdagen tune [SPEC.yaml] [--block-widths ...] [--show]    measure group counts / block widths (GPU)
 
 Errors are one paragraph and a non-zero exit, never a traceback.
 """
@@ -166,8 +167,20 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     from .spec import spec_from_any
 
     base = spec_from_any(ns.spec) if ns.spec else None
-    widths = [int(w) for w in ns.block_widths.split(",")] if ns.block_widths else []
-    gates = ns.gates.split(",") if ns.gates else [base.gate if base else "softplus"]
+    if ns.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {ns.reps}")
+    try:
+        widths = [int(w) for w in ns.block_widths.split(",") if w.strip()] if ns.block_widths else []
+    except ValueError:
+        raise ValueError(f"--block-widths must be comma separated integers, got {ns.block_widths!r}") from None
+    gates = ([g.strip() for g in ns.gates.split(",") if g.strip()] if ns.gates
+             else [base.gate if base else "softplus"])
+    from .spec import KernelSpec
+
+    for gate in gates:  # refuse a bad gate or width before anything is timed
+        for w in widths or [None]:
+            KernelSpec.parse((base.canonical() if base else {}) | {"target": device_target(), "gate": gate}
+                             | ({"block_width": w} if w else {}))
     for gate in gates:
         for n, t, h in parse_shapes(ns.shapes or DEFAULT_SHAPES):
             fields = (base.canonical() if base else {}) | {"target": device_target(), "gate": gate}

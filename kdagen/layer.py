@@ -74,13 +74,15 @@ def kda_forward(
         initial_state = initial_state.contiguous()
     kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size,
                       block_width=block_width)
+    pro = kern.fused_kda_prologue(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens)
     if block_width is None and not torch.compiler.is_compiling():
-        chunks_per_seq = -(-q.shape[1] // max(N, 1) // chunk_size)
+        # the prologue is the same for every block width; the chunk scan may take a tuned one
+        # (chunks per sequence counted as fused_kda_chunk counts them)
+        chunks_per_seq = pro["kg_t"].shape[0] // max(N, 1)
         tuned = autotune.recorded_block_width(kern.spec, N, H, chunks_per_seq, q.device)
         if tuned is not None and tuned != kern.spec.block_width:
             kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size,
                               block_width=tuned)
-    pro = kern.fused_kda_prologue(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens)
     out = pro["u"]  # the scan reads each chunk's u before it writes that chunk's output
     o, final = kern.fused_kda_chunk(pro["qg"], pro["w"], pro["u"], pro["kg_t"], pro["aqk"],
                                     pro["decay"], out, scale, cu_seqlens, initial_state,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Callable, Mapping
 
 import torch
@@ -94,7 +95,11 @@ class Kernels:
             return heuristic()
         g = autotune.recorded_groups(self.spec, N, H, chunks_per_seq, dev)
         if g is None and autotune.autotune_on_first_use() and not autotune.capturing():
-            g = autotune.tune_groups(self, N, H, chunks_per_seq)["groups"]
+            try:
+                g = autotune.tune_groups(self, N, H, chunks_per_seq, device=dev)["groups"]
+            except RuntimeError as e:  # e.g. out of memory for the synthetic batch
+                print(f"kdagen: autotuning {self.spec.name} failed ({e}); using the heuristic",
+                      file=sys.stderr, flush=True)
         return g if g is not None else heuristic()
 
     # ---- decode ----------------------------------------------------------------------------

@@ -49,9 +49,11 @@ if [ "${KDAGEN_SANITIZE:-1}" = 1 ] && [ "$build_rc" = 0 ] && command -v compute-
   done
 fi
 bench_rc=skipped
+tune_rc=skipped
 if [ "${1:-}" != quick ] && [ "$build_rc" = 0 ]; then
   # measured group counts for the bench shapes into this GPU's autotune cache (used below)
   python3 -m kdagen.cli tune --gates lower_bound,softplus --reps 10 2>&1 | tee "$LOGS/tune.log"
+  tune_rc=${PIPESTATUS[0]}
   python3 -m kdagen.cli bench --reps "${KDAGEN_BENCH_REPS:-30}" --gates "${KDAGEN_BENCH_GATES:-lower_bound,softplus}" --markdown "$OUT/bench.md" \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$LOGS/bench.log"
   bench_rc=${PIPESTATUS[0]}
@@ -59,7 +61,7 @@ fi
 t3=$(date +%s)
 echo
 echo "== kdagen GPU check =="
-echo "build: rc=$build_rc ($((t1 - t0)) s); tests: rc=$tests_rc ($((t2 - t1)) s); sanitizer:$san_rc; bench: rc=$bench_rc ($((t3 - t2)) s)"
+echo "build: rc=$build_rc ($((t1 - t0)) s); tests: rc=$tests_rc ($((t2 - t1)) s); sanitizer:$san_rc; tune: rc=$tune_rc; bench: rc=$bench_rc ($((t3 - t2)) s)"
 grep -E "passed|failed|error" "$LOGS/gpu_tests.log" 2>/dev/null | tail -n 3
 [ -f "$OUT/validation.md" ] && cat "$OUT/validation.md"
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"

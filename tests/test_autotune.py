@@ -69,11 +69,13 @@ def test_cache_roundtrip_and_merge(cache):
     assert at.TuneCache(cache).get("a", "nh32-c512") == {"groups": 8}
 
 
-@pytest.mark.parametrize("damage", ["{not json", "[]", '{"format": 99, "entries": {}}',
-                                    '{"format": 1, "entries": []}', ""])
+@pytest.mark.parametrize("damage", [b"{not json", b"[]", b'{"format": 0, "entries": {}}',
+                                    b'{"format": 1, "entries": []}', b"", b"\xff\xfe\x00garbage",
+                                    b"[" * 100000, b'{"format": 1, "entries": {"a": []}}',
+                                    b'{"format": 1, "entries": {"a": {"nh32-c512": 4}}}'])
 def test_damaged_cache_is_reported_and_ignored(cache, capsys, damage):
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(damage)
+    cache.write_bytes(damage)
     assert at.TuneCache(cache).get("a", "nh32-c512") is None
     assert str(cache) in capsys.readouterr().err
     at.TuneCache(cache).put("a", "nh32-c512", {"groups": 4})  # a new choice replaces the damage
@@ -111,11 +113,12 @@ def test_recorded_groups(cache, monkeypatch):
     assert at.recorded_groups(s, 1, 32, 1024, CUDA0) is None
     assert at.recorded_groups(spec(block_width=64), 1, 32, 512, CUDA0) is None  # other variant
     assert at.recorded_groups(s, 1, 32, 512, torch.device("cpu")) is None
-    monkeypatch.setenv("KDAGEN_AUTOTUNE", "off")
-    assert at.recorded_groups(s, 1, 32, 512, CUDA0) is None
+    for off in ("off", "0"):
+        monkeypatch.setenv("KDAGEN_AUTOTUNE", off)
+        assert at.recorded_groups(s, 1, 32, 512, CUDA0) is None
 
 
-@pytest.mark.parametrize("bad", [0, 33, "4", None, 2.5])
+@pytest.mark.parametrize("bad", [0, 33, "4", None, 2.5, True])
 def test_recorded_groups_out_of_range_is_ignored(cache, bad):
     s = spec()
     at.TuneCache(cache).put(at.chunk_spec_key(s), "nh32-c512", {"groups": bad})
@@ -127,6 +130,65 @@ def test_recorded_block_width_is_shared_across_widths(cache):
     assert at.width_spec_key(spec(gate="lower_bound")) != at.width_spec_key(spec())
     at.TuneCache(cache).put(at.width_spec_key(spec()), "nh32-c512", {"block_width": 64})
     assert at.recorded_block_width(spec(block_width=32), 1, 32, 512, CUDA0) == 64
+
+
+@pytest.mark.parametrize("bad", [48, 0, -16, 256, True, "64"])
+def test_recorded_block_width_the_validator_refuses_is_ignored(cache, bad):
+    at.TuneCache(cache).put(at.width_spec_key(spec()), "nh32-c512", {"block_width": bad})
+    assert at.recorded_block_width(spec(), 1, 32, 512, CUDA0) is None
+
+
+def test_keys_carry_the_kernel_version():
+    assert at.chunk_spec_key(spec()).endswith("@" + at._code_version())
+    assert at.width_spec_key(spec()).endswith("@" + at._code_version())
+
+
+def test_unreadable_cache_is_not_overwritten(cache, monkeypatch, capsys):
+    c = at.TuneCache(cache)
+    c.put("a", "nh32-c512", {"groups": 4})
+    c.put("a", "nh8-c2048", {"groups": 16})
+    real = type(cache).read_bytes
+
+    def eacces(self):
+        if self == cache:
+            raise PermissionError(13, "Permission denied")
+        return real(self)
+
+    monkeypatch.setattr(type(cache), "read_bytes", eacces)
+    at._read_cache.clear()
+    c.put("b", "nh32-c512", {"groups": 1})
+    assert "not written" in capsys.readouterr().err
+    monkeypatch.setattr(type(cache), "read_bytes", real)
+    at._read_cache.clear()
+    assert at.TuneCache(cache).get("a", "nh8-c2048") == {"groups": 16}  # nothing was lost
+
+
+def test_a_newer_format_is_left_alone(cache, capsys):
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text('{"format": 2, "entries": {"x": {}}}')
+    at.TuneCache(cache).put("a", "nh32-c512", {"groups": 4})
+    assert json.loads(cache.read_text())["format"] == 2
+    assert "newer kdagen" in capsys.readouterr().err
+    assert at._lookup(cache, "a", "nh32-c512") == {"groups": 4}  # held in memory
+
+
+def test_another_process_write_with_the_same_size_and_mtime_is_seen(cache):
+    c = at.TuneCache(cache)
+    c.put("a", "nh32-c512", {"groups": 4})
+    st = cache.stat()
+    other = cache.with_suffix(".other")
+    other.write_text(cache.read_text().replace('"groups": 4', '"groups": 8'))
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, cache)  # same size, same mtime, new inode
+    assert at.TuneCache(cache).get("a", "nh32-c512") == {"groups": 8}
+
+
+def test_cache_clear_keeps_tune_choices(cache):
+    from kdagen.build import clear_cache
+
+    at.TuneCache(cache).put("a", "nh32-c512", {"groups": 4})
+    clear_cache()
+    assert cache.is_file()
 
 
 def _kernels(monkeypatch) -> Kernels:
@@ -148,6 +210,7 @@ def test_autotune_on_first_use_tunes_unseen_shapes_once(cache, monkeypatch):
     calls = []
 
     def fake_tune(kern, n, h, chunks, **kw):
+        assert kw.get("device") == CUDA0  # tuned on the call's device
         calls.append((n, h, chunks))
         at.TuneCache(at.cache_path(at.device_tag())).put(at.chunk_spec_key(kern.spec),
                                             at.ShapeClass.of(n, h, chunks).key(), {"groups": 8})
@@ -169,3 +232,19 @@ def test_cli_tune_without_a_gpu_is_a_clear_error(capsys):
 
     assert main(["tune", "--show"]) == 1
     assert "no GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--reps", "0"], "--reps"),
+    (["--block-widths", "32,x"], "--block-widths"),
+    (["--gates", "lower_bound, sigmoid"], "gate"),
+    (["--block-widths", "48"], "block_width"),
+])
+def test_cli_tune_refuses_bad_arguments_before_timing(monkeypatch, capsys, args, message):
+    from kdagen import cli
+
+    monkeypatch.setattr("kdagen.jit.device_target", lambda device=None: "sm_90")
+    monkeypatch.setattr(at, "tune_groups", lambda *a, **k: pytest.fail("timed a bad request"))
+    monkeypatch.setattr(at, "tune_block_width", lambda *a, **k: pytest.fail("timed a bad request"))
+    assert cli.main(["tune", *args]) == 1
+    assert message in capsys.readouterr().err
