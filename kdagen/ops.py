@@ -26,11 +26,13 @@ IO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float3
 class Kernels:
     """A loaded variant. ``ops`` maps op names (recurrent, prologue, chunk) to callables."""
 
-    def __init__(self, spec: KernelSpec, ops: Mapping[str, Callable[..., None]], library: str = ""):
+    def __init__(self, spec: KernelSpec, ops: Mapping[str, Callable[..., None]], library: str = "",
+                 device_type: str = "cuda"):
         self.spec = spec
         self.ops = dict(ops)
         self.library = library
         self.dtype = IO_DTYPES[spec.io_dtype]
+        self.device_type = device_type  # "cpu" for the emulated kernels (kdagen/emulate.py)
 
     def __repr__(self) -> str:
         return f"Kernels({self.spec.name}, ops={sorted(self.ops)})"
@@ -59,10 +61,10 @@ class Kernels:
             )
         return 0.0
 
-    @staticmethod
-    def _gpu(op: str, t: torch.Tensor, name: str) -> torch.device:
-        if t.device.type != "cuda":
-            raise ck.ArgumentError(f"{op}: argument '{name}' must be on a GPU, got {t.device}")
+    def _gpu(self, op: str, t: torch.Tensor, name: str) -> torch.device:
+        if t.device.type != self.device_type:
+            where = "a GPU" if self.device_type == "cuda" else "the CPU (emulated kernels)"
+            raise ck.ArgumentError(f"{op}: argument '{name}' must be on {where}, got {t.device}")
         return t.device
 
     def _head_params(self, op: str, A_log: object, dt_bias: object, H: int, dev: torch.device):

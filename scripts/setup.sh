@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for kdagen: Debian's ROCm toolchain (hipcc, for AMD targets),
-# the LLVM tools that read AMD device code, torch, and kdagen itself with its test
+# the LLVM tools that read AMD device code, clang (the kernels' CPU emulation), torch, and kdagen itself with its test
 # extra. nvcc (NVIDIA targets) comes from the CUDA toolkit already on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,7 @@ command -v hipcc >/dev/null || need+=(hipcc libamdhip64-dev rocm-device-libs)
 command -v llvm-objdump-15 >/dev/null || need+=(llvm-15)
 command -v clang-offload-bundler-15 >/dev/null || need+=(clang-tools-15)
 command -v objcopy >/dev/null || need+=(binutils)
+command -v clang++-15 >/dev/null || need+=(clang-15)  # the CPU emulation of the kernels
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need[*]}"
   apt-get update -qq

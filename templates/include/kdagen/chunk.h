@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
   constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
   static_assert(sizeof(T) == 2, "the chunk scan takes 16-bit operands");
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  KDAGEN_DYNAMIC_SHARED(smem);
   // One stage: w | qg | kg_t | aqk | [u, then o] | decay. Stage b of chunk c is b = c % kStages.
   struct Stage { uint16_t *Ws, *Qs, *KGs, *As, *Us; float* Ds; };
   auto stage_at = [&](int b) {

@@ -77,7 +77,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   constexpr int PER = (D + kWaveSize - 1) / kWaveSize;
   static_assert(C % NW == 0, "chunk rows must spread evenly over the waves");
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  KDAGEN_DYNAMIC_SHARED(smem);
   float* Gs = reinterpret_cast<float*>(smem);
   float* Ls = Gs;
   T* Ks = reinterpret_cast<T*>(Gs + C * LDG);

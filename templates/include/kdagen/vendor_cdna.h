@@ -28,8 +28,17 @@ __device__ __forceinline__ float wave_sum(float x) {
   return x;
 }
 
-// A wave runs in lockstep: nothing to do.
-__device__ __forceinline__ void wave_sync() {}
+// Order this lane's LDS writes before the other lanes' reads that follow (a wave runs in
+// lockstep; the fences keep the compiler from moving LDS accesses across).
+__device__ __forceinline__ void wave_sync() {
+#if defined(KDAGEN_EMULATE)
+  kdagen_emu::wave_barrier();
+#else
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#endif
+}
 
 // CDNA has no 16-byte asynchronous global -> LDS copy before gfx950: `copy16` is a
 // plain load and store (the kernels pick one stage on these targets).

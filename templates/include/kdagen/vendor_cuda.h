@@ -38,6 +38,13 @@ __device__ __forceinline__ void wave_sync() { __syncwarp(); }
 // most N groups of this thread are still in flight.
 namespace async {
 constexpr bool kHardware = true;
+#if defined(KDAGEN_EMULATE)
+__device__ __forceinline__ void copy16(void* smem, const void* gmem, bool pred) {
+  kdagen_emu::cp_async(smem, gmem, pred);
+}
+__device__ __forceinline__ void commit() { kdagen_emu::cp_commit(); }
+template <int N> __device__ __forceinline__ void wait() { kdagen_emu::cp_wait(N); }
+#else
 __device__ __forceinline__ void copy16(void* smem, const void* gmem, bool pred) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
@@ -48,6 +55,7 @@ __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\
 template <int N> __device__ __forceinline__ void wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+#endif
 }  // namespace async
 
 namespace mma {
@@ -167,6 +175,10 @@ template <DType T> __device__ __forceinline__ Frag to_a(const Acc& c) {
 }
 
 template <DType T> __device__ __forceinline__ void mma(Acc& d, const Frag& a, const Frag& b) {
+#if defined(KDAGEN_EMULATE)
+  for (int h = 0; h < 2; ++h)
+    kdagen_emu::mma16816(&d.v[4 * h], a.r, b.r[2 * h], b.r[2 * h + 1], T == DType::kBF16);
+#else
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if constexpr (T == DType::kBF16) {
@@ -185,6 +197,7 @@ template <DType T> __device__ __forceinline__ void mma(Acc& d, const Frag& a, co
             "r"(b.r[2 * h + 1]));
     }
   }
+#endif
 }
 
 }  // namespace mma

@@ -1,0 +1,286 @@
+// kdagen: a CPU emulation of the device environment, so that the generated kernels run
+// (slowly, exactly as written) where there is no GPU: CI and the emulated tests.
+//
+// Compile a rendered kernels.hip as C++20 with -DKDAGEN_EMULATE (AMD flavour: wave 64,
+// MFMA 16x16x16) or -DKDAGEN_EMULATE -DKDAGEN_EMULATE_NVIDIA (wave 32, mma.sync m16n8k16,
+// cp.async). Every GPU thread of a block is a std::thread; blocks run one after another.
+//   __syncthreads            a barrier of the block's threads
+//   wave collectives         shuffles and matrix instructions meet at a barrier of the
+//                            wave's threads, exchange operands through a wave scratchpad
+//   dynamic shared memory    one buffer per block, filled with NaN bytes before it starts
+//                            (a read of anything the block did not write shows up)
+//   cp.async                 KDAGEN_EMULATE_LATE_COPIES=1 holds each copy back until the
+//                            latest wait_group that must have landed it (a miscounted
+//                            group then reads stale or NaN data)
+//   hipLaunchKernelGGL       runs the grid
+// Matrix layouts follow the ISA documents: mma.sync m16n8k16 (PTX ISA, lane = 4 g + t)
+// and v_mfma_f32_16x16x16 (CDNA ISA: A[i][k] in lane i + 16 (k / 4), element k % 4;
+// B[k][j] in lane j + 16 (k / 4); D[i][j] in lane j + 16 (i / 4), element i % 4).
+#pragma once
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(KDAGEN_EMULATE_NVIDIA)
+#define KDAGEN_NVIDIA 1
+#else
+#define KDAGEN_AMD 1
+#endif
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ static  // blocks run one at a time: one instance serves each block
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+inline thread_local dim3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0};
+inline dim3 blockDim, gridDim;
+
+struct __attribute__((aligned(16))) uint4 { uint32_t x, y, z, w; };
+struct __attribute__((aligned(8))) float2 { float x, y; };
+struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
+inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __uint_as_float(uint32_t u) { return __builtin_bit_cast(float, u); }
+inline uint32_t __float_as_uint(float f) { return __builtin_bit_cast(uint32_t, f); }
+using std::exp2f;
+using std::log1pf;
+using std::max;
+using std::min;
+
+namespace kdagen_emu {
+
+constexpr int kWave =
+#if defined(KDAGEN_EMULATE_NVIDIA)
+    32;
+#else
+    64;
+#endif
+
+struct Wave {
+  std::unique_ptr<std::barrier<>> bar;
+  float f[64];                 // shuffles
+  float a[64][8], b[64][8];    // matrix operands, as floats
+};
+
+struct Block {
+  unsigned char* smem = nullptr;
+  std::unique_ptr<std::barrier<>> bar;
+  std::vector<std::unique_ptr<Wave>> waves;
+};
+inline Block block;
+
+inline Wave& my_wave() { return *block.waves[threadIdx.x / kWave]; }
+inline int my_lane() { return static_cast<int>(threadIdx.x % kWave); }
+inline unsigned char* smem() { return block.smem; }
+inline void syncthreads() { block.bar->arrive_and_wait(); }
+inline void wave_barrier() { my_wave().bar->arrive_and_wait(); }
+
+inline float shfl_xor(float x, int o) {
+  Wave& w = my_wave();
+  const int l = my_lane();
+  w.f[l] = x;
+  w.bar->arrive_and_wait();
+  const float r = w.f[l ^ o];
+  w.bar->arrive_and_wait();
+  return r;
+}
+
+// Run a grid: blocks in order, the threads of each block at once.
+inline void launch(dim3 grid, dim3 blk, size_t shmem, const std::function<void()>& body) {
+  const int nt = static_cast<int>(blk.x * blk.y * blk.z);
+  std::vector<unsigned char> buf(shmem + 64);
+  unsigned char* base = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  blockDim = blk;
+  gridDim = grid;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        std::memset(base, 0xff, shmem);  // NaN bytes
+        block.smem = base;
+        block.bar = std::make_unique<std::barrier<>>(nt);
+        block.waves.clear();
+        for (int w = 0; w < (nt + kWave - 1) / kWave; ++w) {
+          auto wave = std::make_unique<Wave>();
+          wave->bar = std::make_unique<std::barrier<>>(std::min(kWave, nt - kWave * w));
+          block.waves.push_back(std::move(wave));
+        }
+        std::vector<std::thread> threads;
+        threads.reserve(nt);
+        for (int t = 0; t < nt; ++t)
+          threads.emplace_back([&, t] {
+            threadIdx = dim3(static_cast<unsigned>(t), 0, 0);
+            blockIdx = dim3(x, y, z);
+            body();
+          });
+        for (auto& t : threads) t.join();
+      }
+}
+
+#if defined(KDAGEN_EMULATE_NVIDIA)
+inline float h2f(uint16_t h, bool bf16) {
+  return bf16 ? __uint_as_float(uint32_t(h) << 16) : float(__builtin_bit_cast(_Float16, h));
+}
+
+// mma.sync.m16n8k16, one m16n8 half: A regs {(g,2t..),(g+8,2t..),(g,2t+8..),(g+8,2t+8..)},
+// B regs {(k=2t..,n=g),(k=2t+8..,n=g)}, D (g,2t),(g,2t+1),(g+8,2t),(g+8,2t+1).
+inline void mma16816(float* d, const uint32_t* ar, uint32_t b0, uint32_t b1, bool bf16) {
+  Wave& w = my_wave();
+  const int l = my_lane();
+  for (int r = 0; r < 4; ++r) {
+    w.a[l][2 * r] = h2f(ar[r] & 0xffff, bf16);
+    w.a[l][2 * r + 1] = h2f(ar[r] >> 16, bf16);
+  }
+  w.b[l][0] = h2f(b0 & 0xffff, bf16);
+  w.b[l][1] = h2f(b0 >> 16, bf16);
+  w.b[l][2] = h2f(b1 & 0xffff, bf16);
+  w.b[l][3] = h2f(b1 >> 16, bf16);
+  w.bar->arrive_and_wait();
+  auto A = [&](int row, int k) { return w.a[4 * (row % 8) + (k % 8) / 2][2 * ((row / 8) + 2 * (k / 8)) + (k % 2)]; };
+  auto B = [&](int k, int n) { return w.b[4 * n + (k % 8) / 2][2 * (k / 8) + (k % 2)]; };
+  const int g = l / 4, t = l % 4;
+  const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  float out[4];
+  for (int e = 0; e < 4; ++e) {
+    float s = 0.0f;
+    for (int k = 0; k < 16; ++k) s += A(rows[e], k) * B(k, cols[e]);
+    out[e] = d[e] + s;
+  }
+  w.bar->arrive_and_wait();
+  for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+struct Copy { void* dst; const void* src; bool pred; };
+inline thread_local std::vector<std::vector<Copy>> t_groups;  // committed, oldest first
+inline thread_local std::vector<Copy> t_open;
+inline bool late_copies() {
+  static const bool v = std::getenv("KDAGEN_EMULATE_LATE_COPIES") != nullptr;
+  return v;
+}
+inline void land(const Copy& c) {
+  if (c.pred) std::memcpy(c.dst, c.src, 16);
+  else std::memset(c.dst, 0, 16);
+}
+inline void cp_async(void* dst, const void* src, bool pred) {
+  if (reinterpret_cast<uintptr_t>(dst) % 16 || (pred && reinterpret_cast<uintptr_t>(src) % 16)) {
+    std::fprintf(stderr, "kdagen emulate: misaligned cp.async (%p <- %p)\n", dst, src);
+    std::abort();
+  }
+  if (late_copies()) t_open.push_back({dst, src, pred});
+  else land({dst, src, pred});
+}
+inline void cp_commit() {
+  if (late_copies()) {
+    t_groups.push_back(t_open);
+    t_open.clear();
+  }
+}
+inline void cp_wait(int n) {
+  while (static_cast<int>(t_groups.size()) > n) {
+    for (auto& c : t_groups.front()) land(c);
+    t_groups.erase(t_groups.begin());
+  }
+}
+#else
+typedef float f32x4 __attribute__((ext_vector_type(4)));
+typedef short i16x4 __attribute__((ext_vector_type(4)));
+typedef _Float16 f16x4 __attribute__((ext_vector_type(4)));
+
+inline f32x4 mfma(const float* a, const float* b, f32x4 c) {
+  Wave& w = my_wave();
+  const int l = my_lane();
+  for (int j = 0; j < 4; ++j) {
+    w.a[l][j] = a[j];
+    w.b[l][j] = b[j];
+  }
+  w.bar->arrive_and_wait();
+  f32x4 out = c;
+  for (int e = 0; e < 4; ++e) {
+    const int i = 4 * (l / 16) + e, jj = l % 16;
+    float s = 0.0f;
+    for (int k = 0; k < 16; ++k) s += w.a[i + 16 * (k / 4)][k % 4] * w.b[jj + 16 * (k / 4)][k % 4];
+    out[e] += s;
+  }
+  w.bar->arrive_and_wait();
+  return out;
+}
+inline f32x4 mfma_bf16(i16x4 a, i16x4 b, f32x4 c) {
+  float fa[4], fb[4];
+  for (int j = 0; j < 4; ++j) {
+    fa[j] = __uint_as_float(uint32_t(uint16_t(a[j])) << 16);
+    fb[j] = __uint_as_float(uint32_t(uint16_t(b[j])) << 16);
+  }
+  return mfma(fa, fb, c);
+}
+inline f32x4 mfma_f16(f16x4 a, f16x4 b, f32x4 c) {
+  float fa[4], fb[4];
+  for (int j = 0; j < 4; ++j) {
+    fa[j] = float(a[j]);
+    fb[j] = float(b[j]);
+  }
+  return mfma(fa, fb, c);
+}
+#endif
+
+}  // namespace kdagen_emu
+
+inline void __syncthreads() { kdagen_emu::syncthreads(); }
+#define KDAGEN_DYNAMIC_SHARED(name) unsigned char* name = kdagen_emu::smem()
+
+#if defined(KDAGEN_EMULATE_NVIDIA)
+inline float __shfl_xor_sync(unsigned, float x, int o) { return kdagen_emu::shfl_xor(x, o); }
+inline void __syncwarp() { kdagen_emu::wave_barrier(); }
+struct __half { uint16_t x; };
+struct __half2 { uint16_t x, y; };
+struct __nv_bfloat162 { uint16_t x, y; };
+inline __half __ushort_as_half(uint16_t u) { return {u}; }
+inline uint16_t __half_as_ushort(__half h) { return h.x; }
+inline float __half2float(__half h) { return float(__builtin_bit_cast(_Float16, h.x)); }
+inline __half __float2half_rn(float f) { return {__builtin_bit_cast(uint16_t, static_cast<_Float16>(f))}; }
+inline uint16_t kdagen_emu_bf16_rne(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {kdagen_emu_bf16_rne(a), kdagen_emu_bf16_rne(b)};
+}
+inline __half2 __floats2half2_rn(float a, float b) {
+  return {__float2half_rn(a).x, __float2half_rn(b).x};
+}
+#else
+inline float __shfl_xor(float x, int o) { return kdagen_emu::shfl_xor(x, o); }
+#define __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, x, y, z) kdagen_emu::mfma_bf16(a, b, c)
+#define __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, x, y, z) kdagen_emu::mfma_f16(a, b, c)
+#endif
+
+// ---- the HIP runtime subset the launchers use ------------------------------------------
+using hipStream_t = void*;
+using hipError_t = int;
+constexpr hipError_t hipSuccess = 0;
+constexpr int hipFuncAttributeMaxDynamicSharedMemorySize = 8;
+inline hipError_t hipGetLastError() { return hipSuccess; }
+inline const char* hipGetErrorString(hipError_t e) { return e == 0 ? "no error" : "emulated error"; }
+inline hipError_t hipFuncSetAttribute(const void*, int, int) { return hipSuccess; }
+#define hipLaunchKernelGGL(kernel, grid, blk, shmem, stream, ...) \
+  kdagen_emu::launch((grid), (blk), (shmem), [&] { kernel(__VA_ARGS__); })

@@ -1,0 +1,216 @@
+"""The generated kernels, run on the CPU through kdagen's emulation (kdagen/emulate.py,
+templates/include/kdagen/emulate.h): every thread of a block is a std::thread, the
+matrix instructions follow the ISA layouts, shared memory starts as NaN bytes. This is
+where CI runs kernels: a wrong index, a missing barrier that the order of threads
+exposes, a misaligned cp.async or a miscounted copy group fails here.
+
+Each case compares against the float64 reference on fresh random inputs, with varlen
+batches holding lengths 1, C - 1, C, C + 1 and a few chunks. Shapes are small (the
+emulation runs about a second per 64-token chunk of a d128 head)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kdagen import reference as ref
+from kdagen.testing import make_inputs, rel_err
+
+pytestmark = pytest.mark.emulate
+OPS = ("qg", "w", "u", "kg_t", "aqk", "decay")
+TOL = 2e-2
+
+try:
+    from kdagen.emulate import find_clang
+
+    find_clang()
+    HAVE_CLANG = True
+except Exception:  # noqa: BLE001
+    HAVE_CLANG = False
+needs_clang = pytest.mark.skipif(not HAVE_CLANG, reason="no clang++ for the emulation")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulate_cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kdagen-emulate")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KDAGEN_CACHE_DIR", str(root))
+        yield root
+
+
+def emulated(**fields):
+    from kdagen.emulate import emulated as build
+
+    return build(fields)
+
+
+def lens_for(C: int) -> list[int]:
+    return [1, C - 1, C, C + 1, 2 * C + 5]
+
+
+# (spec fields, torch dtype): the kernel paths each target takes
+#   sm_90: double-buffered cp.async chunk scan, u / o through LDS, matrix-unit solve
+#   gfx90a/gfx942: one stage, per-element u / o, per-column solve (c64) or matrix-unit solve (c32)
+PREFILL = [
+    (dict(head_dim=128, chunk_size=64, target="sm_90"), torch.bfloat16),
+    (dict(head_dim=128, chunk_size=64, gate="lower_bound", target="sm_90"), torch.bfloat16),
+    (dict(head_dim=64, chunk_size=64, io_dtype="fp16", target="sm_90"), torch.float16),
+    (dict(head_dim=64, chunk_size=32, block_width=16, io_dtype="fp16", target="sm_90"), torch.float16),
+    (dict(head_dim=128, chunk_size=64, gate="lower_bound", target="gfx90a"), torch.bfloat16),
+    (dict(head_dim=64, chunk_size=32, block_width=32, target="gfx942"), torch.bfloat16),
+    (dict(head_dim=128, chunk_size=64, block_width=64, target="gfx950"), torch.bfloat16),
+]
+
+
+def _id(case) -> str:
+    f, _ = case
+    return "-".join(f"{k}{v}" for k, v in f.items() if k != "target") + f"-{f['target']}"
+
+
+@needs_clang
+@pytest.mark.parametrize("case", PREFILL, ids=[_id(c) for c in PREFILL])
+def test_prologue_and_chunk_match_the_reference(case):
+    fields, dtype = case
+    kern = emulated(**fields)
+    D, C, gate = kern.spec.head_dim, kern.spec.chunk_size, kern.spec.gate
+    x = make_inputs(lens_for(C), 2, D, dtype=dtype, device="cpu", gate=gate, seed=D + C, fused=True)
+    got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
+                                        cu_seqlens=x.cu_seqlens, chunk_size=C)
+    for name in OPS:
+        err = rel_err(got[name], want[name].to(got[name].dtype))
+        assert err < TOL, f"{name}: rel err {err:.3e}"
+    N = len(lens_for(C))
+    init = torch.randn(N, 2, D, D, generator=torch.Generator().manual_seed(1)) * 0.1
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
+    for groups in (1, 3):
+        out = torch.full_like(got["u"], float("nan"))
+        o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), out, None, x.cu_seqlens, init, True,
+                                    groups=groups)
+        assert rel_err(o, o_ref) < TOL, (groups, rel_err(o, o_ref))
+        assert rel_err(s, s_ref) < TOL, (groups, rel_err(s, s_ref))
+
+
+@needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx90a"])
+def test_strong_decay_stays_finite_and_exact(target):
+    kern = emulated(head_dim=64, chunk_size=32, gate="lower_bound", target=target)
+    x = make_inputs(lens_for(32), 2, 64, device="cpu", gate="lower_bound", strong_decay=True, seed=7)
+    got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), torch.empty_like(got["u"]), None,
+                                x.cu_seqlens, None, True, groups=1)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens)
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+
+
+@needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_paged_cache_and_checkpoints(target):
+    kern = emulated(head_dim=64, chunk_size=32, target=target)
+    C, D, H = 32, 64, 2
+    x = make_inputs([C * 3 + 3, C, 5], H, D, device="cpu", seed=21)
+    slots = 6
+    cache = torch.randn(slots, H, D, D) * 0.1
+    before = cache.clone()
+    idx = torch.tensor([4, 1, 2], dtype=torch.int32)
+    has = torch.tensor([True, False, True])
+    ck = torch.full((3, H, D, D), float("nan"))
+    offs = torch.tensor([C * 2, 0, 0], dtype=torch.int32)
+    p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+    out, fin = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
+                                    x.cu_seqlens, None, False, state_cache=cache, state_indices=idx,
+                                    has_initial_state=has, checkpoint_state=ck,
+                                    checkpoint_offsets=offs, groups=1)
+    assert fin is None
+    init = before[idx.long()] * has[:, None, None, None]
+    o_ref, s_ref, ck_ref = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens,
+                                                       initial_state=init, checkpoint_offsets=offs)
+    assert rel_err(out, o_ref) < TOL
+    assert rel_err(cache[idx.long()], s_ref) < TOL
+    others = [i for i in range(slots) if i not in idx.tolist()]
+    assert torch.equal(cache[others], before[others])
+    assert rel_err(ck[0], ck_ref[0]) < TOL
+    assert torch.isnan(ck[1]).all() and torch.isnan(ck[2]).all()  # offset 0: no export
+
+
+@needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx90a"])
+def test_fused_conv(target):
+    W, D, H, C = 4, 64, 2, 32
+    kern = emulated(head_dim=D, chunk_size=C, conv_width=W, target=target)
+    x = make_inputs([1, 2, C - 1, C + 5], H, D, device="cpu", seed=41)
+    gen = torch.Generator().manual_seed(5)
+    wgt = torch.randn(3 * H * D, W, generator=gen) * 0.5
+    state = torch.randn(5, 3 * H * D, W - 1, generator=gen)
+    before = state.clone()
+    idx = torch.tensor([3, 0, -1, 4], dtype=torch.int32)
+    has = torch.tensor([True, False, True, True])
+    p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens, conv_weight=wgt,
+                                conv_state=state, conv_state_indices=idx,
+                                conv_has_initial_state=has)
+    raw = torch.cat([x.q.flatten(-2), x.k.flatten(-2), x.v.flatten(-2)], -1)
+    y, new_state = ref.causal_conv_reference(raw, wgt, cu_seqlens=x.cu_seqlens, conv_state=before,
+                                             conv_state_indices=idx, has_initial_state=has)
+    HD = H * D
+    yq, yk, yv = (y[..., i * HD:(i + 1) * HD].unflatten(-1, (H, D)) for i in range(3))
+    want = ref.chunk_prologue_reference(yq, yk, yv, x.g, x.beta, x.A_log, x.dt_bias,
+                                        cu_seqlens=x.cu_seqlens, chunk_size=C)
+    for name in ("qg", "w", "u", "kg_t", "aqk"):
+        assert rel_err(p[name], want[name].to(p[name].dtype)) < TOL, name
+    assert rel_err(state, new_state) < 1e-2
+    assert torch.equal(state[[1, 2]], before[[1, 2]])
+
+
+@needs_clang
+@pytest.mark.parametrize("target,io,dtype,tol", [("sm_90", "bf16", torch.bfloat16, 1e-2),
+                                                 ("gfx90a", "fp32", torch.float32, 1e-4)])
+def test_recurrent(target, io, dtype, tol):
+    kern = emulated(head_dim=64, io_dtype=io, ops=["recurrent"], target=target)
+    N, H, D, slots = 5, 2, 64, 8
+    x = make_inputs([1] * N, H, D, dtype=dtype, device="cpu", seed=3)
+    cache = torch.randn(slots, H, D, D, generator=torch.Generator().manual_seed(2)) * 0.1
+    idx = torch.tensor([6, 0, -1, 3, 5], dtype=torch.int32)
+    before = cache.clone()
+    sq = lambda t: t[0]
+    out = kern.fused_recurrent_kda(sq(x.q), sq(x.k), sq(x.v), sq(x.g), sq(x.beta), x.A_log,
+                                   x.dt_bias, None, None, cache, idx)
+    live = idx >= 0
+    init = before[idx.clamp_min(0).long()]
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=torch.arange(N + 1),
+                                                  initial_state=init)
+    assert rel_err(out[live], o_ref[0][live]) < tol
+    assert torch.all(out[~live] == 0)
+    assert rel_err(cache[idx[live].long()], s_ref[live]) < tol
+
+
+LATE = r"""
+import torch, sys
+from kdagen.emulate import emulated
+from kdagen import reference as ref
+from kdagen.testing import make_inputs, rel_err
+kern = emulated(dict(head_dim=64, chunk_size=32, block_width=32, target="sm_90"))
+x = make_inputs([1, 31, 32, 33, 165], 2, 64, device="cpu", seed=9)  # a walk of 6 chunks
+p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+o, s = kern.fused_kda_chunk(*(p[k] for k in ("qg", "w", "u", "kg_t", "aqk", "decay")),
+                            torch.empty_like(p["u"]), None, x.cu_seqlens, None, True, groups=1)
+o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens)
+print(rel_err(o, o_ref), rel_err(s, s_ref))
+"""
+
+
+@needs_clang
+def test_copies_landing_as_late_as_cp_async_allows(emulate_cache):
+    """cp.async groups land only at the wait that must have landed them: a miscounted
+    wait_group in the double-buffered scan would read NaN or the previous chunk."""
+    env = dict(os.environ, KDAGEN_EMULATE_LATE_COPIES="1", KDAGEN_CACHE_DIR=str(emulate_cache))
+    r = subprocess.run([sys.executable, "-c", LATE], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    err_o, err_s = map(float, r.stdout.split())
+    assert err_o < TOL and err_s < TOL
