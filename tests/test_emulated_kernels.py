@@ -214,3 +214,21 @@ def test_copies_landing_as_late_as_cp_async_allows(emulate_cache):
     assert r.returncode == 0, r.stderr[-2000:]
     err_o, err_s = map(float, r.stdout.split())
     assert err_o < TOL and err_s < TOL
+
+
+@needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx90a"])
+def test_lower_bound_diagonal_blocks_survive_huge_raw_inputs(target):
+    """The matrix-unit diagonal blocks scale their operands by up to 2^(8 |bound| / ln 2);
+    with raw q, k of 1e10 that must not overflow bf16 (the norms come first)."""
+    kern = emulated(head_dim=64, chunk_size=32, gate="lower_bound", target=target)
+    x = make_inputs(lens_for(32), 2, 64, device="cpu", gate="lower_bound", lower_bound=-8.0, seed=13)
+    x.g.fill_(60.0)  # the gate saturated at its bound: -8 per step
+    x.q.mul_(3e10)
+    x.k.mul_(3e10)
+    got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
+                                        cu_seqlens=x.cu_seqlens, chunk_size=32)
+    for name in ("w", "u", "aqk"):
+        err = rel_err(got[name], want[name].to(got[name].dtype))
+        assert err < TOL, f"{name}: rel err {err:.3e}"

@@ -54,7 +54,8 @@ struct PrologueLayout {
 };
 
 // Largest |lower_bound| for which the diagonal blocks use the matrix units: their
-// factors stay below 2^(8 * 8 / ln 2) = 2^92, far inside bf16's range.
+// factors stay below 2^(8 * 8 / ln 2) = 2^92 and multiply normalised rows (|x| <= 1),
+// far inside bf16's range.
 constexpr float kDiagMmaMaxBound = 8.0f;
 
 template <class Cfg>
@@ -352,21 +353,23 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
 #pragma unroll 2
     for (int kt = 0; kt < D / 16; ++kt) {
       const float* gref = Gs + ref * LDG + 16 * kt;
+      // Operands of the normalised rows (rk, rq folded in before the 16-bit rounding, so
+      // that the diagonal blocks' factors multiply values of at most 1).
       const mma::Frag ak = mma::load_a2<Mx>([&](int r, int c) {
         const int i = 16 * bi + r, d = 16 * kt + c;
         const float2 k = k2(i, d), g = g2(i, d), gr = *reinterpret_cast<const float2*>(gref + c);
-        return make_float2(k.x * exp2f(g.x - gr.x), k.y * exp2f(g.y - gr.y));
+        return make_float2(rk[i] * k.x * exp2f(g.x - gr.x), rk[i] * k.y * exp2f(g.y - gr.y));
       });
       const mma::Frag aq = mma::load_a2<Mx>([&](int r, int c) {
         const int i = 16 * bi + r, d = 16 * kt + c;
         if (i >= valid) return make_float2(0.0f, 0.0f);
         const float2 q = q2(i, d), g = g2(i, d), gr = *reinterpret_cast<const float2*>(gref + c);
-        return make_float2(q.x * exp2f(g.x - gr.x), q.y * exp2f(g.y - gr.y));
+        return make_float2(rq[i] * q.x * exp2f(g.x - gr.x), rq[i] * q.y * exp2f(g.y - gr.y));
       });
       const mma::Frag b = mma::load_b2<Mx>([&](int nn, int c) {
         const int j = 16 * bj + nn, d = 16 * kt + c;
         const float2 k = k2(j, d), g = g2(j, d), gr = *reinterpret_cast<const float2*>(gref + c);
-        return make_float2(k.x * exp2f(gr.x - g.x), k.y * exp2f(gr.y - g.y));
+        return make_float2(rk[j] * k.x * exp2f(gr.x - g.x), rk[j] * k.y * exp2f(gr.y - g.y));
       });
       mma::mma<Mx>(accL[pp], ak, b);
       mma::mma<Mx>(accQ, aq, b);
@@ -374,7 +377,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     mma::for_each(accQ, [&](int r, int c, float& x) {
       const int i = 16 * bi + r, j = 16 * bj + c;
       // (masked entries of a diagonal block may be huge or inf: selected away, never scaled)
-      const float v = diag && j > i ? 0.0f : a.scale * rq[i] * rk[j] * x;
+      const float v = diag && j > i ? 0.0f : a.scale * x;
       if (i < valid) aqk[(t0 + i) * row_hc + h * C + j] = from_float<Io>(v);
     });
   }
@@ -460,7 +463,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     const int bi = pair_bi[pp], bj = pair_bj[pp];
     mma::for_each(accL[pp], [&](int r, int c, float& x) {
       const int i = 16 * bi + r, j = 16 * bj + c;
-      Ls[i * LDL + j] = bi == bj && j >= i ? 0.0f : bt[i] * rk[i] * rk[j] * x;
+      Ls[i * LDL + j] = bi == bj && j >= i ? 0.0f : bt[i] * x;
     });
   }
   if (!diag_mma) {
