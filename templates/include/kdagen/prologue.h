@@ -19,9 +19,11 @@
 // above the diagonal may overflow; they are selected away, never scaled). Otherwise
 // (softplus gates, unbounded) a wave per row takes the exact difference per pair.
 //
-// The solve for w and u (kMmaSolve, where LDS allows: sm_90, gfx950): (I + L)^-1 by
-// 16-row blocks in fp32 in place of L, then its bf16 copy times the right-hand sides on
-// the matrix units. Elsewhere: forward substitution in fp32, one thread per column.
+// The solve for w and u (kMmaSolve: where the q plane exists and the G plane holds the
+// bf16 inverse beside L; for chunk 64 that is sm_90 and gfx950, smaller chunks on every
+// target): (I + L)^-1 by 16-row blocks in fp32 in place of L, then its bf16 copy times the
+// right-hand sides (rounded to bf16, also for fp16 io) on the matrix units. Elsewhere:
+// forward substitution in fp32, one thread per column.
 //
 // Loads: every global read of the chunk (k, q, the raw gate, beta) is issued in phase 1
 // as 16-byte loads; the cumulative gate is a column scan in LDS.
