@@ -232,3 +232,20 @@ def test_lower_bound_diagonal_blocks_survive_huge_raw_inputs(target):
     for name in ("w", "u", "aqk"):
         err = rel_err(got[name], want[name].to(got[name].dtype))
         assert err < TOL, f"{name}: rel err {err:.3e}"
+
+
+@needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_every_group_count_matches_the_single_walk(target):
+    """The two-pass group scan against the single walk, for group counts that split
+    one long walk evenly, unevenly and into groups of one chunk."""
+    kern = emulated(head_dim=64, chunk_size=32, block_width=32, target=target)
+    x = make_inputs([32 * 9 + 7, 40], 2, 64, device="cpu", seed=17)  # walks of 10 and 2 chunks
+    p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+    init = torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(4)) * 0.1
+    run = lambda g: kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
+                                         x.cu_seqlens, init, True, groups=g)
+    o1, s1 = run(1)
+    for g in (2, 3, 4, 10):
+        og, sg = run(g)
+        assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2, g
