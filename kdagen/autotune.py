@@ -217,29 +217,29 @@ def _disabled() -> bool:
     return os.environ.get("KDAGEN_AUTOTUNE", "").strip().lower() in ("0", "off", "no", "false")
 
 
-def recorded_groups(spec, num_seqs: int, num_heads: int, chunks_per_seq: int,
-                    device: torch.device) -> int | None:
-    """The tuned group count for this call's shape class, if one is recorded."""
+def _recorded(spec_key: str, field: str, num_seqs: int, num_heads: int, chunks_per_seq: int,
+              device: torch.device) -> int | None:
+    """An int ``field`` of the row recorded for this call's shape class, if any."""
     if _disabled() or device.type != "cuda":
         return None
     shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
-    row = _lookup(cache_path(device_tag(device)), chunk_spec_key(spec), shape.key())
-    if row is None:
-        return None
-    g = row.get("groups")
-    ok = isinstance(g, int) and not isinstance(g, bool) and 1 <= g <= MAX_GROUPS
-    return g if ok else None
+    row = _lookup(cache_path(device_tag(device)), spec_key, shape.key())
+    value = row.get(field) if row else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def recorded_groups(spec, num_seqs: int, num_heads: int, chunks_per_seq: int,
+                    device: torch.device) -> int | None:
+    """The tuned group count for this call's shape class, if one is recorded."""
+    g = _recorded(chunk_spec_key(spec), "groups", num_seqs, num_heads, chunks_per_seq, device)
+    return g if g is not None and 1 <= g <= MAX_GROUPS else None
 
 
 def recorded_block_width(spec, num_seqs: int, num_heads: int, chunks_per_seq: int,
                          device: torch.device) -> int | None:
     """The tuned block width for variants like ``spec``, if one is recorded."""
-    if _disabled() or device.type != "cuda":
-        return None
-    shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
-    row = _lookup(cache_path(device_tag(device)), width_spec_key(spec), shape.key())
-    bv = row.get("block_width") if row else None
-    if not isinstance(bv, int) or isinstance(bv, bool):
+    bv = _recorded(width_spec_key(spec), "block_width", num_seqs, num_heads, chunks_per_seq, device)
+    if bv is None:
         return None
     try:  # a width the validator refuses for this spec is ignored, never fatal
         type(spec).parse({**spec.canonical(), "block_width": bv})
@@ -261,19 +261,10 @@ def capturing() -> bool:
 
 
 def _time_ms(fn: Callable[[], object], reps: int) -> float:
-    import statistics
+    """Median CUDA-event time of ``fn`` (the benchmark's timer, one input set)."""
+    from .bench import time_ms
 
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return time_ms(lambda _: fn(), 1, reps, warmup=1)
 
 
 def _synthetic(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, device: torch.device,
