@@ -92,3 +92,23 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(o).all():
         return float("inf")
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+def conv_prologue_reference(x: KdaInputs, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+                            conv_state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+                            chunk_size: int) -> tuple[dict, torch.Tensor]:
+    """The prologue's reference with the fused causal conv + SiLU applied to q, k, v first:
+    (its outputs, the conv state after the batch). ``conv_state`` is not modified."""
+    from . import reference as ref
+
+    H, D = x.q.shape[2], x.q.shape[3]
+    raw = torch.cat([x.q.flatten(-2), x.k.flatten(-2), x.v.flatten(-2)], -1)
+    y, new_state = ref.causal_conv_reference(raw, conv_weight, cu_seqlens=x.cu_seqlens,
+                                             conv_state=conv_state,
+                                             conv_state_indices=conv_state_indices,
+                                             has_initial_state=has_initial_state)
+    HD = H * D
+    yq, yk, yv = (y[..., i * HD:(i + 1) * HD].unflatten(-1, (H, D)) for i in range(3))
+    want = ref.chunk_prologue_reference(yq, yk, yv, x.g, x.beta, x.A_log, x.dt_bias,
+                                        cu_seqlens=x.cu_seqlens, chunk_size=chunk_size)
+    return want, new_state

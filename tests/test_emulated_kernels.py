@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kdagen import reference as ref
-from kdagen.testing import make_inputs, rel_err
+from kdagen.testing import conv_prologue_reference, make_inputs, rel_err
 
 pytestmark = pytest.mark.emulate
 OPS = ("qg", "w", "u", "kg_t", "aqk", "decay")
@@ -154,13 +154,7 @@ def test_fused_conv(target):
     p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens, conv_weight=wgt,
                                 conv_state=state, conv_state_indices=idx,
                                 conv_has_initial_state=has)
-    raw = torch.cat([x.q.flatten(-2), x.k.flatten(-2), x.v.flatten(-2)], -1)
-    y, new_state = ref.causal_conv_reference(raw, wgt, cu_seqlens=x.cu_seqlens, conv_state=before,
-                                             conv_state_indices=idx, has_initial_state=has)
-    HD = H * D
-    yq, yk, yv = (y[..., i * HD:(i + 1) * HD].unflatten(-1, (H, D)) for i in range(3))
-    want = ref.chunk_prologue_reference(yq, yk, yv, x.g, x.beta, x.A_log, x.dt_bias,
-                                        cu_seqlens=x.cu_seqlens, chunk_size=C)
+    want, new_state = conv_prologue_reference(x, wgt, before, idx, has, C)
     for name in ("qg", "w", "u", "kg_t", "aqk"):
         assert rel_err(p[name], want[name].to(p[name].dtype)) < TOL, name
     assert rel_err(state, new_state) < 1e-2
@@ -193,7 +187,7 @@ LATE = r"""
 import torch, sys
 from kdagen.emulate import emulated
 from kdagen import reference as ref
-from kdagen.testing import make_inputs, rel_err
+from kdagen.testing import conv_prologue_reference, make_inputs, rel_err
 kern = emulated(dict(head_dim=64, chunk_size=32, block_width=32, target="sm_90"))
 x = make_inputs([1, 31, 32, 33, 165], 2, 64, device="cpu", seed=9)  # a walk of 6 chunks
 p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdagen import reference as ref
-from kdagen.testing import make_inputs, rel_err
+from kdagen.testing import conv_prologue_reference, make_inputs, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -258,13 +258,7 @@ def test_fused_conv(has_state):
     p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens, conv_weight=wgt,
                                 conv_state=state, conv_state_indices=idx,
                                 conv_has_initial_state=has)
-    raw = torch.cat([x.q.flatten(-2), x.k.flatten(-2), x.v.flatten(-2)], -1)
-    y, new_state = ref.causal_conv_reference(raw, wgt, cu_seqlens=x.cu_seqlens, conv_state=before,
-                                             conv_state_indices=idx, has_initial_state=has)
-    HD = H * D
-    yq, yk, yv = (y[..., i * HD:(i + 1) * HD].unflatten(-1, (H, D)) for i in range(3))
-    want = ref.chunk_prologue_reference(yq, yk, yv, x.g, x.beta, x.A_log, x.dt_bias,
-                                        cu_seqlens=x.cu_seqlens, chunk_size=64)
+    want, new_state = conv_prologue_reference(x, wgt, before, idx, has, 64)
     for name in ("qg", "w", "u", "kg_t", "aqk"):
         assert rel_err(p[name], want[name]) < BF16_TOL, name
     assert rel_err(state, new_state) < 1e-2
