@@ -60,6 +60,15 @@ template <DType T> __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
   return make_uint4(two(0), two(2), two(4), two(6));
 }
 
+// ... and back: eight 16-bit values of one 16-byte word as floats.
+template <DType T> __device__ __forceinline__ void unpack8(uint4 w, float (&v)[8]) {
+  static_assert(T != DType::kFP32, "16-bit values only");
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    v[j] = to_float<T>(static_cast<uint16_t>(j % 2 ? words[j / 2] >> 16 : words[j / 2] & 0xffffu));
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }

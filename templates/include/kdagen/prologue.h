@@ -215,7 +215,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     for (int m = 0; m < ITERS; ++m) {
       const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
       if (e >= C * PER_ROW) continue;
-      const uint32_t words[4] = {buf[m].x, buf[m].y, buf[m].z, buf[m].w};
+      float raw8[VEC];
+      unpack8<Io>(buf[m], raw8);
       const float4 b0 = *reinterpret_cast<const float4*>(bias + c);
       const float4 b1 = *reinterpret_cast<const float4*>(bias + c + 4);
       const float bs[VEC] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
@@ -223,8 +224,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       float gv[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const T r16 = static_cast<T>(j % 2 ? words[j / 2] >> 16 : words[j / 2] & 0xffffu);
-        const float x = gate_log2<Cfg::kLowerBound>(to_float<Io>(r16) + bs[j], a_exp, a.lower_bound);
+        const float x = gate_log2<Cfg::kLowerBound>(raw8[j] + bs[j], a_exp, a.lower_bound);
         gv[j] = in ? x : 0.0f;
       }
       float4* dst = reinterpret_cast<float4*>(Gs + i * LDG + c);
@@ -442,17 +442,16 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   if constexpr (Lay::kMmaSolve) stage(Qs, 2);
   for (int e = tid; e < C * (D / 8); e += NT) {  // 8 elements: 16-byte k, two float4 of G
     const int i = e / (D / 8), d = (e % (D / 8)) * 8;
-    const uint4 kw = *reinterpret_cast<const uint4*>(Ks + i * LDK + d);
+    float k8[8];
+    unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + d), k8);
     const float4 g0 = *reinterpret_cast<const float4*>(Gs + i * LDG + d);
     const float4 g1 = *reinterpret_cast<const float4*>(Gs + i * LDG + d + 4);
-    const uint32_t words[4] = {kw.x, kw.y, kw.z, kw.w};
     const float gs[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
     const float f = bt[i] * rk[i];
     float v[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const T k16 = static_cast<T>(j % 2 ? words[j / 2] >> 16 : words[j / 2] & 0xffffu);
-      v[j] = f * to_float<Io>(k16) * exp2f(gs[j]);
+      v[j] = f * k8[j] * exp2f(gs[j]);
     }
     *reinterpret_cast<uint4*>(Ks + i * LDK + d) = pack8<Io>(v);
   }
