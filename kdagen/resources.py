@@ -39,8 +39,7 @@ def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str,
     c, d = chunk_size, head_dim
     g_plane = c * (d + PAD_FP32) * 4
     row_plane = c * (d + PAD_16BIT) * IO_BYTES[io_dtype]
-    planes = 1 + int(stage_q)
-    return Footprint(PROLOGUE_THREADS, g_plane + planes * row_plane + 3 * c * 4)
+    return Footprint(PROLOGUE_THREADS, g_plane + (2 if stage_q else 1) * row_plane + 3 * c * 4)
 
 
 def prologue_stages_q(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> bool:

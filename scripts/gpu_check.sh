@@ -14,12 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdagen-out}
 LOGS=${LOGS:-/tmp/kdagen-logs}
 mkdir -p "$OUT" "$LOGS"; rm -f "$OUT/errors.jsonl"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/kdagen-site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/kdagen-site
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/carried_wheels.sh
 export PYTHONUNBUFFERED=1
 export KDAGEN_CACHE_DIR=${KDAGEN_CACHE_DIR:-/tmp/kdagen-cache}
 export KDAGEN_JOBS=${KDAGEN_JOBS:-$(nproc)}

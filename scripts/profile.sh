@@ -6,12 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdagen-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${KDAGEN_SITE_DONE:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/kdagen-site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/kdagen-site
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/carried_wheels.sh
 export KDAGEN_CACHE_DIR=${KDAGEN_CACHE_DIR:-/tmp/kdagen-cache} KDAGEN_DEVICE_FLAGS=-lineinfo
 shape=${1:-1x32768:32}; gate=${2:-lower_bound}
 python3 scripts/profile_kernels.py "$shape" "$gate" || exit 1
