@@ -34,17 +34,40 @@ class Footprint:
 
 
 def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str,
-                       stage_q: bool = False) -> Footprint:
-    """G (fp32, later reused for L) + k (io dtype) [+ q] + three per-row fp32 vectors."""
+                       stage_q: bool = False, planar: bool = False) -> Footprint:
+    """G (fp32, later reused for L) + k (io dtype) [+ q] + three per-row fp32 vectors;
+    ``planar`` adds the two operand planes, 2^G of each block's first row, the block-pair
+    scales and the diagonal choices (16 bytes), and implies the q plane."""
     c, d = chunk_size, head_dim
     g_plane = c * (d + PAD_FP32) * 4
     row_plane = c * (d + PAD_16BIT) * IO_BYTES[io_dtype]
+    if planar:
+        nb = c // 16
+        scales = nb * (nb - 1) // 2 + nb
+        return Footprint(PROLOGUE_THREADS,
+                         g_plane + 4 * row_plane + 3 * c * 4 + nb * d * 4 + scales * d * 4 + 16)
     return Footprint(PROLOGUE_THREADS, g_plane + (2 if stage_q else 1) * row_plane + 3 * c * 4)
 
 
 def prologue_stages_q(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> bool:
     """Whether the target's LDS also holds the chunk's q rows (then q is read once)."""
     return prologue_footprint(head_dim, chunk_size, io_dtype, True).shared_mem <= shared_mem
+
+
+def prologue_planar(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> bool:
+    """Whether the prologue builds its L / aqk operands as LDS planes (and solves on the
+    matrix units): the planar footprint fits, and L (fp32) with its bf16 inverse fits in
+    the G plane."""
+    c, d = chunk_size, head_dim
+    in_g = c * (c + PAD_FP32) * 4 + c * (c + PAD_16BIT) * 2 <= c * (d + PAD_FP32) * 4
+    return in_g and prologue_footprint(d, c, io_dtype, planar=True).shared_mem <= shared_mem
+
+
+def prologue_shared_mem(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> int:
+    """Bytes of LDS the prologue of this variant uses on a target with ``shared_mem``."""
+    planar = prologue_planar(head_dim, chunk_size, io_dtype, shared_mem)
+    stage_q = prologue_stages_q(head_dim, chunk_size, io_dtype, shared_mem)
+    return prologue_footprint(head_dim, chunk_size, io_dtype, stage_q, planar).shared_mem
 
 
 def chunk_footprint(

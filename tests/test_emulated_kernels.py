@@ -97,11 +97,38 @@ def test_prologue_and_chunk_match_the_reference(case):
 
 
 @needs_clang
-@pytest.mark.parametrize("target", ["sm_90", "gfx90a"])
-def test_strong_decay_stays_finite_and_exact(target):
-    kern = emulated(head_dim=64, chunk_size=32, gate="lower_bound", target=target)
-    x = make_inputs(lens_for(32), 2, 64, device="cpu", gate="lower_bound", strong_decay=True, seed=7)
+@pytest.mark.parametrize("target,gate", [("sm_90", "lower_bound"), ("gfx90a", "lower_bound"),
+                                         ("sm_90", "softplus")])
+def test_strong_decay_stays_finite_and_exact(target, gate):
+    kern = emulated(head_dim=64, chunk_size=32, gate=gate, target=target)
+    x = make_inputs(lens_for(32), 2, 64, device="cpu", gate=gate, strong_decay=True, seed=7)
     got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), torch.empty_like(got["u"]), None,
+                                x.cu_seqlens, None, True, groups=1)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens)
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+
+
+@needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx950"])
+def test_diagonal_blocks_take_both_paths_in_one_chunk(target):
+    """Planar prologue: a softplus gate that is strong in the first 16 rows of every
+    chunk and faint in the rest, so that one chunk sends one diagonal block through the
+    exact per-pair path (span far past kDiagSpan) and the other through the matrix units."""
+    C = 32
+    kern = emulated(head_dim=64, chunk_size=C, target=target)
+    x = make_inputs(lens_for(C), 2, 64, device="cpu", strong_decay=True, seed=11)
+    for a, b in zip(x.cu_seqlens.tolist(), x.cu_seqlens.tolist()[1:]):
+        for t in range(a, b):
+            if (t - a) % C >= 16:
+                x.g[0, t] = -6.0 - x.dt_bias.view(2, 64)  # softplus(-6) e^1: ~7e-3 per step
+    got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
+                                        cu_seqlens=x.cu_seqlens, chunk_size=C)
+    for name in OPS:
+        err = rel_err(got[name], want[name].to(got[name].dtype))
+        assert err < TOL, f"{name}: rel err {err:.3e}"
     o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), torch.empty_like(got["u"]), None,
                                 x.cu_seqlens, None, True, groups=1)
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,

@@ -137,6 +137,8 @@ def test_default_constexprs():
         "kLowerBound": "false",
         "kConvWidth": "0",
         "kStageQ": "true",  # sm_90's shared memory holds the q rows too
+        "kPlanar": "true",  # ... and the planar L / aqk operands
+        "kPrologueBytes": str(resources.prologue_shared_mem(128, 64, "bf16", 232448)),
         "kChunkStages": "2",  # cp.async double buffering
         "kStageUO": "true",
         "kPad16": str(resources.PAD_16BIT),
@@ -168,6 +170,20 @@ def test_chunk_buffering_per_target(target, stages, uo):
 def test_q_staging_follows_the_target_lds():
     assert constexprs(kernels({}))["kStageQ"] == "true"
     assert constexprs(kernels({"target": "gfx942"}))["kStageQ"] == "false"  # 64 KB LDS
+
+
+@pytest.mark.parametrize("fields, planar", [
+    ({}, "true"),  # sm_90: 227 KB
+    ({"target": "gfx950"}, "true"),  # 160 KB
+    ({"target": "gfx90a"}, "false"),  # 64 KB: 109 KB of planes do not fit at chunk 64 ...
+    ({"target": "gfx90a", "chunk_size": 32}, "true"),  # ... they do at chunk 32
+    ({"head_dim": 64}, "false"),  # L and its inverse do not fit in a d64 x c64 G plane
+])
+def test_planar_prologue_follows_the_target_lds(fields, planar):
+    c = constexprs(kernels(fields))
+    assert c["kPlanar"] == planar
+    from kdagen.targets import get_target
+    assert int(c["kPrologueBytes"]) <= get_target(fields.get("target", "sm_90")).shared_mem
 
 
 def test_nondefault_constexprs():

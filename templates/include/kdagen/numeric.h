@@ -51,13 +51,27 @@ template <DType T> __device__ __forceinline__ io_t<T> from_float(float x) {
   else return x;
 }
 
+// Two floats -> two 16-bit values in one 32-bit word (round to nearest even; one
+// instruction on NVIDIA).
+template <DType T> __device__ __forceinline__ uint32_t pack2_io(float lo, float hi) {
+  static_assert(T != DType::kFP32, "16-bit values only");
+#if KDAGEN_NVIDIA
+  if constexpr (T == DType::kBF16) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&p);
+  } else {
+    const __half2 p = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&p);
+  }
+#else
+  return static_cast<uint32_t>(from_float<T>(lo)) | (static_cast<uint32_t>(from_float<T>(hi)) << 16);
+#endif
+}
+
 // Eight floats -> eight 16-bit values in one 16-byte word (for vector stores).
 template <DType T> __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
-  static_assert(T != DType::kFP32, "16-bit values only");
-  auto two = [&](int j) {
-    return static_cast<uint32_t>(from_float<T>(v[j])) | (static_cast<uint32_t>(from_float<T>(v[j + 1])) << 16);
-  };
-  return make_uint4(two(0), two(2), two(4), two(6));
+  return make_uint4(pack2_io<T>(v[0], v[1]), pack2_io<T>(v[2], v[3]), pack2_io<T>(v[4], v[5]),
+                    pack2_io<T>(v[6], v[7]));
 }
 
 // ... and back: eight 16-bit values of one 16-byte word as floats.
@@ -71,7 +85,7 @@ template <DType T> __device__ __forceinline__ void unpack8(uint4 w, float (&v)[8
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 // softplus(x) = log(1 + e^x), and x itself past 20 (as in FLA and the DESIGN).
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }

@@ -19,19 +19,29 @@
 // above the diagonal may overflow; they are selected away, never scaled). Otherwise
 // (softplus gates, unbounded) a wave per row takes the exact difference per pair.
 //
-// The solve for w and u (kMmaSolve: where the q plane exists and the G plane holds the
-// bf16 inverse beside L; for chunk 64 that is sm_90 and gfx950, smaller chunks on every
-// target): (I + L)^-1 by 16-row blocks in fp32 in place of L, then its bf16 copy times the
-// right-hand sides (rounded to bf16, also for fp16 io) on the matrix units. Elsewhere:
-// forward substitution in fp32, one thread per column.
+// Planar operands (kPlanar, where LDS allows: sm_90, gfx950): the operands of every L /
+// aqk product are built once per element into 16-bit LDS planes, with the first row of
+// each 16-row block as reference on the row side and its last row on the column side:
+//   Ka_i = k^_i 2^(G_i - G_f(i)),  Qa_i = q^_i 2^(G_i - G_f(i)),  Kb_j = k^_j 2^(G_l(j) - G_j),
+// and a block pair (bi, bj) multiplies Kb by the per-channel scale 2^(G_f(bi) - G_l(bj))
+// inside its fragments. Every factor of an off-diagonal pair is <= 1; a diagonal block
+// takes the matrix units when its span G_f - G_l stays within kDiagSpan (else the exact
+// per-pair path below). w and u come from (I + L)^-1 diag(b) in bf16 times k^ 2^G and v
+// (ldmatrix-transposed operands), staged through LDS for 16-byte stores like aqk.
+//
+// Elsewhere (64 KB CDNA LDS): fragments built element by element from the k / G planes;
+// the solve for w and u (kMmaSolve: where the q plane exists and the G plane holds the
+// bf16 inverse beside L; smaller chunks) on the matrix units, else forward substitution in
+// fp32, one thread per column.
 //
 // Loads: every global read of the chunk (k, q, the raw gate, beta) is issued in phase 1
 // as 16-byte loads; the cumulative gate is a column scan in LDS.
 //
 // LDS plan (C x D): G fp32 [C][D + pad] (reused for L, and for (I + L)^-1 in bf16, once
-// G is dead), k in the io dtype [C][D + pad] (overwritten in place by b k^ 2^G for the
-// solve), q where LDS allows (then v, for the matrix-unit solve), and three fp32 row
-// vectors rk, rq, beta.
+// G is dead), k in the io dtype [C][D + pad] (overwritten in place by the solve's
+// right-hand side), q where LDS allows (then v, for the matrix-unit solve), [the planar
+// operand planes Ka, Kb (later the staged w, u)], three fp32 row vectors rk, rq, beta
+// [, and the planar path's per-block vectors 2^G_f, pair scales, diagonal choices].
 #pragma once
 
 #include "launch_args.h"
@@ -40,20 +50,34 @@ namespace kdagen {
 
 template <class Cfg>
 struct PrologueLayout {
-  static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim;
+  static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, NB = C / 16;
   static constexpr int LDG = D + Cfg::kPadFp32;  // G plane row stride (floats)
   static constexpr int LDL = C + Cfg::kPadFp32;  // L plane row stride (floats), inside G's space
   static constexpr int LDK = D + Cfg::kPad16;    // k plane row stride (elements)
-  static constexpr int kPlanes = Cfg::kStageQ ? 2 : 1;  // k, and q where LDS allows
+  static constexpr int LDA = C + Cfg::kPad16;    // (I + L)^-1 in bf16 [C][LDA], after L
+  static constexpr bool kPlanar = Cfg::kPlanar;
+  static constexpr int kPairs = NB * (NB - 1) / 2;  // off-diagonal block pairs
+  static constexpr int kScales = kPairs + NB;       // planar pair scales: off-diagonal, diagonal
+  // 16-bit planes: k [, q] [, Ka, Kb]
+  static constexpr int kPlanes = kPlanar ? 4 : (Cfg::kStageQ ? 2 : 1);
+  static constexpr int kVecBytes = 3 * C * 4 + (kPlanar ? NB * D * 4 + kScales * D * 4 + 16 : 0);
   static constexpr int kBytes =
-      C * LDG * 4 + kPlanes * C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + 3 * C * 4;
-  static constexpr int LDA = C + Cfg::kPad16;   // (I + L)^-1 in bf16 [C][LDA], after L
+      C * LDG * 4 + kPlanes * C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + kVecBytes;
   // The solve runs on the matrix units when the G plane also holds (I + L)^-1 in bf16
   // and the (then dead) q plane can take v; otherwise a forward substitution per column.
   static constexpr bool kMmaSolve = Cfg::kStageQ && C * LDL * 4 + C * LDA * 2 <= C * LDG * 4;
   static_assert(C * LDL <= C * LDG, "the L plane must fit in the G plane");
   static_assert(LDL % 4 == 0, "L rows are read as float4");
+  static_assert(!kPlanar || (kMmaSolve && NB <= Cfg::kPrologueThreads / kWaveSize),
+                "the planar path solves on the matrix units, one wave per diagonal block check");
+  static_assert(kBytes == Cfg::kPrologueBytes, "the LDS plan differs from kdagen/resources.py");
 };
+
+// Planar path: the largest span G_f - G_l (log2 units) of a diagonal block that goes
+// through the matrix units. Its column operand reaches 2^span (times |k^| <= 1) and the
+// rounding floor of the rescaled Kb is 2^(span - 134) in bf16: 96 keeps both far from
+// harm; fp16 (max 2^16, floor 2^-24) allows 8.
+template <DType Mx> constexpr float kDiagSpan = Mx == DType::kBF16 ? 96.0f : 8.0f;
 
 // Largest |lower_bound| for which the diagonal blocks use the matrix units: their
 // factors stay below 2^(8 * 8 / ln 2) = 2^92 and multiply normalised rows (|x| <= 1),
@@ -88,6 +112,12 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   float* rk = reinterpret_cast<float*>(Ks + Lay::kPlanes * C * LDK);
   float* rq = rk + C;
   float* bt = rq + C;
+  // planar path: operand planes Ka, Kb, and the per-block vectors after beta
+  uint16_t* KA = reinterpret_cast<uint16_t*>(Qs + C * LDK);
+  uint16_t* KB = KA + C * LDK;
+  float* Pv = bt + C;                           // 2^G of each block's first row [NB][D]
+  float* Sv = Pv + NB * D;                      // pair scales [kScales][D]
+  int* dmma = reinterpret_cast<int*>(Sv + Lay::kScales * D);  // diagonal block b on the matrix units
 
   const int chunk = blockIdx.x, h = blockIdx.y, H = a.num_heads;
   const int tid = threadIdx.x, lane = lane_id(), wave = wave_id();
@@ -261,7 +291,33 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       __syncthreads();
     }
   }
-  {
+  if constexpr (Cfg::kStageQ) {
+    // Row norms of k and q from the planes: a thread per 16-byte piece, summed over the
+    // D / 8 neighbouring lanes of its row.
+    constexpr int PER_ROW = D / 8, PIECES = C * PER_ROW, ITERS = (PIECES + NT - 1) / NT;
+    static_assert(PER_ROW <= kWaveSize && NT % PER_ROW == 0, "a row's pieces share one wave");
+#pragma unroll
+    for (int m = 0; m < ITERS; ++m) {
+      const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * 8;
+      float sk = 0.0f, sq = 0.0f;
+      if (e < PIECES) {
+        float k8[8], q8[8];
+        unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + c), k8);
+        unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + i * LDK + c), q8);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          sk += k8[j] * k8[j];
+          sq += q8[j] * q8[j];
+        }
+      }
+      sk = lane_group_sum<PER_ROW>(sk);
+      sq = lane_group_sum<PER_ROW>(sq);
+      if (e < PIECES && e % PER_ROW == 0) {
+        rk[i] = i < valid ? rnorm(sk) : 0.0f;
+        rq[i] = i < valid ? rnorm(sq) : 0.0f;
+      }
+    }
+  } else {
     // Row norms of k and q: a wave per row, its rows' reductions interleaved.
     float kk[ROWS_PER_WAVE], qq[ROWS_PER_WAVE];
 #pragma unroll
@@ -292,8 +348,351 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   }
   __syncthreads();
 
-  // ---- phase 2: elementwise outputs qg, kg_t, decay (16-byte stores) --------------------
   const int64_t row_hd = static_cast<int64_t>(H) * D;
+  T* aqk = static_cast<T*>(a.aqk);
+  const int64_t row_hc = static_cast<int64_t>(H) * C;
+  T* wout = static_cast<T*>(a.w);
+  T* uout = static_cast<T*>(a.u);
+
+  // Diagonal-block rows by exact exponent differences, for the rows use_simt(i) picks: a
+  // wave per row, lanes over D. diagL[m] keeps lane j's L entry of row wave + m NW; the
+  // row's aqk diagonal block is stored (with zero_tail, the zeros after it too).
+  float diagL[ROWS_PER_WAVE];
+  auto diag_rows = [&](auto use_simt, bool zero_tail) {
+#pragma unroll
+  for (int m = 0; m < ROWS_PER_WAVE; ++m) {
+    const int i = wave + m * NW;
+    diagL[m] = 0.0f;
+    if (i >= valid || !use_simt(i)) continue;
+    const int b0 = 16 * (i / 16);
+    float qi[PER], ki[PER], gi[PER];
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+      const int d = lane + e * kWaveSize;
+      const bool in = d < D;
+      qi[e] = in ? qval(i, d) : 0.0f;
+      ki[e] = in ? to_float<Io>(Ks[i * LDK + d]) : 0.0f;
+      gi[e] = in ? Gs[i * LDG + d] : 0.0f;
+    }
+    float myQ = 0.0f;
+    for (int j = b0; j <= i; ++j) {
+      float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+      for (int e = 0; e < PER; ++e) {
+        const int d = lane + e * kWaveSize;
+        if (d < D) {
+          const float kj = to_float<Io>(Ks[j * LDK + d]) * exp2f(gi[e] - Gs[j * LDG + d]);
+          sk += ki[e] * kj;
+          sq += qi[e] * kj;
+        }
+      }
+      sk = wave_sum(sk);
+      sq = wave_sum(sq);
+      if (lane == j - b0) {
+        diagL[m] = sk;
+        myQ = sq;
+      }
+    }
+    T* arow = aqk + (t0 + i) * row_hc + h * C;
+    if (lane < 16) {
+      const int j = b0 + lane;
+      arow[j] = from_float<Io>(j <= i ? a.scale * rq[i] * rk[j] * myQ : 0.0f);
+    }
+    if (zero_tail)
+      for (int j = b0 + 16 + lane; j < C; j += kWaveSize) arow[j] = from_float<Io>(0.0f);
+  }
+  };
+
+
+  // (I + L)^-1 in place of L (fp32, unit lower triangular, by 16-row blocks): the
+  // diagonal blocks' inverses by forward substitution, then block row by block row
+  //   Ainv_ij = -Inv_ii * sum_{k=j}^{i-1} L_ik Ainv_kj.
+  auto invert_unit_lower = [&]() {
+    {
+      float x[16];
+      const int b = tid / 16, c = tid % 16;
+      if (tid < NB * 16) {
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          float v = r == c ? 1.0f : 0.0f;
+#pragma unroll
+          for (int j = 0; j < r; ++j) v -= Ls[(16 * b + r) * LDL + 16 * b + j] * x[j];
+          x[r] = v;
+        }
+      }
+      __syncthreads();
+      if (tid < NB * 16) {
+#pragma unroll
+        for (int r = 0; r < 16; ++r) Ls[(16 * b + r) * LDL + 16 * b + c] = x[r];
+      }
+      __syncthreads();
+    }
+    {
+      const int r = tid / 16 % 16, c = tid % 16;  // this thread's entry of a 16 x 16 block
+      static_assert(NT >= 256, "one thread per entry of a 16 x 16 block");
+      const bool act = tid < 256;
+#pragma unroll
+      for (int i = 1; i < NB; ++i) {
+        float t[NB];
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+          t[j] = 0.0f;
+          if (act && j < i) {
+            for (int k = j; k < i; ++k) {
+#pragma unroll
+              for (int m = 0; m < 16; ++m)
+                t[j] += Ls[(16 * i + r) * LDL + 16 * k + m] * Ls[(16 * k + m) * LDL + 16 * j + c];
+            }
+          }
+        }
+        __syncthreads();  // row block i of L is read; its place takes T, then Ainv
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+          if (act && j < i) Ls[(16 * i + r) * LDL + 16 * j + c] = t[j];
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+          if (act && j < i) {
+            float v = 0.0f;
+#pragma unroll
+            for (int m = 0; m < 16; ++m)
+              v -= Ls[(16 * i + r) * LDL + 16 * i + m] * Ls[(16 * i + m) * LDL + 16 * j + c];
+            t[j] = v;
+          }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+          if (act && j < i) Ls[(16 * i + r) * LDL + 16 * j + c] = t[j];
+        __syncthreads();
+      }
+    }
+  };
+
+  if constexpr (Lay::kPlanar) {
+    constexpr int kScales = Lay::kScales, LDA = Lay::LDA;
+    auto pair_blocks = [&](int p, int& bi, int& bj) {  // off-diagonal pairs, then diagonal
+      if (p < PAIRS) {
+        bi = 1, bj = p;  // p = bi * (bi - 1) / 2 + bj
+        while (bj >= bi) { bj -= bi; ++bi; }
+      } else {
+        bi = bj = p - PAIRS;
+      }
+    };
+    auto load8f = [](const float* p, float (&v)[8]) {
+      const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
+      v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+    };
+
+    // ---- P2: per-block vectors, the diagonal choice, kg_t, decay ------------------------
+    for (int e = tid; e < NB * D; e += NT) Pv[e] = exp2f(Gs[(e / D) * 16 * LDG + e % D]);
+    for (int e = tid; e < kScales * D; e += NT) {
+      const int p = e / D, d = e % D;
+      int bi, bj;
+      pair_blocks(p, bi, bj);
+      Sv[e] = exp2f(Gs[16 * bi * LDG + d] - Gs[(16 * bj + 15) * LDG + d]);
+    }
+    if (wave < NB) {  // wave b: the span of diagonal block b, the largest over the channels
+      float span = 0.0f;
+      for (int d = lane; d < D; d += kWaveSize)
+        span = fmaxf(span, Gs[16 * wave * LDG + d] - Gs[(16 * wave + 15) * LDG + d]);
+      span = wave_max(span);
+      if (lane == 0) dmma[wave] = span <= kDiagSpan<Mx> ? 1 : 0;
+    }
+    {
+      // kg_t [D][C]: a thread takes 8 consecutive rows i of one column d
+      constexpr int VEC = 8;
+      T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
+      for (int e = tid; e < D * (C / VEC); e += NT) {
+        const int d = e % D, i0 = (e / D) * VEC;
+        const float glast = Gs[last * LDG + d];
+        float out8[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const int i = i0 + j;
+          out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2f(glast - Gs[i * LDG + d]) : 0.0f;
+        }
+        *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
+      }
+      for (int d = tid; d < D; d += NT)
+        a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
+    }
+    __syncthreads();
+
+    // ---- P3: diagonal blocks whose span is too wide: exact per pair ---------------------
+    bool any_simt = false;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) any_simt |= dmma[b] == 0;
+    if (any_simt) {  // block-uniform
+      diag_rows([&](int i) { return dmma[i / 16] == 0; }, false);
+      __syncthreads();  // the raw k, q rows are read before P4 replaces them
+    }
+
+    // ---- P4: the operand planes, and qg; k plane <- k^ 2^G (bf16), q plane <- Qa --------
+    {
+      T* qg = static_cast<T*>(a.qg) + static_cast<int64_t>(t0) * row_hd + h * D;
+      uint16_t* Km = reinterpret_cast<uint16_t*>(Ks);
+      uint16_t* Qm = reinterpret_cast<uint16_t*>(Qs);
+      for (int e = tid; e < C * (D / 8); e += NT) {
+        const int i = e / (D / 8), c = (e % (D / 8)) * 8, b = i / 16;
+        float k8[8], q8[8], g[8], gf[8], gl[8], pf[8];
+        unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + c), k8);
+        unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + i * LDK + c), q8);
+        load8f(Gs + i * LDG + c, g);
+        load8f(Gs + 16 * b * LDG + c, gf);
+        load8f(Gs + (16 * b + 15) * LDG + c, gl);
+        load8f(Pv + b * D + c, pf);
+        const float ri = rk[i], qi = rq[i];
+        float ka[8], qa[8], kb[8], w8[8], qo[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float up = exp2f(g[j] - gf[j]), down = exp2f(gl[j] - g[j]);  // both <= 1
+          const float kn = ri * k8[j];
+          ka[j] = kn * up;
+          qa[j] = qi * q8[j] * up;
+          kb[j] = kn * down;
+          w8[j] = ka[j] * pf[j];  // k^ 2^G
+          qo[j] = qa[j] * pf[j];  // q^ 2^G
+        }
+        *reinterpret_cast<uint4*>(KA + i * LDK + c) = pack8<Mx>(ka);
+        *reinterpret_cast<uint4*>(KB + i * LDK + c) = pack8<Mx>(kb);
+        *reinterpret_cast<uint4*>(Qm + i * LDK + c) = pack8<Mx>(qa);
+        *reinterpret_cast<uint4*>(Km + i * LDK + c) = pack8<DType::kBF16>(w8);
+        if (i < valid) *reinterpret_cast<uint4*>(qg + i * row_hd + c) = pack8<Io>(qo);
+      }
+    }
+    __syncthreads();
+
+    // ---- P5: L and aqk block pairs on the matrix units (G is dead: L takes its place) ---
+    uint16_t* Ab = reinterpret_cast<uint16_t*>(Ls + C * LDL);  // aqk staging, then (I + L)^-1 b
+    {
+      const uint16_t* Qm = reinterpret_cast<const uint16_t*>(Qs);
+      constexpr int PER_WAVE = (kScales + NW - 1) / NW;
+#pragma unroll
+      for (int pp = 0; pp < PER_WAVE; ++pp) {
+        const int p = wave + pp * NW;
+        if (p >= kScales) break;
+        int bi, bj;
+        pair_blocks(p, bi, bj);
+        const bool diag = bi == bj;
+        if (diag && dmma[bi] == 0) continue;
+        mma::Acc accL, accQ;
+        mma::zero(accL);
+        mma::zero(accQ);
+#pragma unroll 4
+        for (int kt = 0; kt < D / 16; ++kt) {
+          const mma::Frag ak = mma::load_a_smem(KA + 16 * bi * LDK + 16 * kt, LDK);
+          const mma::Frag aq = mma::load_a_smem(Qm + 16 * bi * LDK + 16 * kt, LDK);
+          mma::Frag b = mma::load_b_smem(KB + 16 * bj * LDK + 16 * kt, LDK);
+          mma::scale_k<Mx>(b, Sv + p * D + 16 * kt);
+          mma::mma<Mx>(accL, ak, b);
+          mma::mma<Mx>(accQ, aq, b);
+        }
+        // (masked entries of a diagonal block may be huge: selected away, never scaled)
+        mma::for_each(accQ, [&](int r, int c, float& x) { x = diag && c > r ? 0.0f : a.scale * x; });
+        mma::store_tile<Io>(accQ, Ab + 16 * bi * LDA + 16 * bj, LDA);
+        mma::for_each(accL, [&](int r, int c, float& x) {
+          const int i = 16 * bi + r, j = 16 * bj + c;
+          Ls[i * LDL + j] = diag && j >= i ? 0.0f : bt[i] * x;
+        });
+      }
+      if (any_simt) {
+#pragma unroll
+        for (int m = 0; m < ROWS_PER_WAVE; ++m) {
+          const int i = wave + m * NW, j = 16 * (i / 16) + lane;
+          if (dmma[i / 16] == 0 && lane < 16 && j < i)
+            Ls[i * LDL + j] = i < valid ? bt[i] * rk[i] * rk[j] * diagL[m] : 0.0f;
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- P6: aqk out (16-byte stores); v into the q plane (bf16); (I + L)^-1 ------------
+    {
+      constexpr int VEC = 8;
+      for (int e = tid; e < valid * (C / VEC); e += NT) {
+        const int i = e / (C / VEC), j = (e % (C / VEC)) * VEC, ib = i / 16, jb = j / 16;
+        if (jb == ib && dmma[ib] == 0) continue;  // stored by the exact path
+        const uint4 x = jb > ib ? make_uint4(0, 0, 0, 0) : *reinterpret_cast<const uint4*>(Ab + i * LDA + j);
+        *reinterpret_cast<uint4*>(aqk + (t0 + i) * row_hc + h * C + j) = x;
+      }
+    }
+    {
+      constexpr int VEC = 8, PER_ROW = D / VEC, ITERS = (C * PER_ROW + NT - 1) / NT;
+      uint16_t* Vm = reinterpret_cast<uint16_t*>(Qs);
+      const T* base = static_cast<const T*>(a.v.ptr) + static_cast<int64_t>(t0) * a.v.token +
+                      static_cast<int64_t>(h) * a.v.head;
+      const bool plain = (Cfg::kConvWidth == 0 || a.conv_weight == nullptr) &&
+                         reinterpret_cast<uintptr_t>(base) % 16 == 0 && a.v.token % VEC == 0;
+      if (plain && Io == DType::kBF16) {  // asynchronous where the target copies so
+#pragma unroll
+        for (int m = 0; m < ITERS; ++m) {
+          const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
+          if (e < C * PER_ROW)
+            async::copy16(Vm + i * LDK + c, base + static_cast<int64_t>(min(i, last)) * a.v.token + c, i < valid);
+        }
+        async::commit();
+      } else {
+        for (int e = tid; e < C * PER_ROW; e += NT) {
+          const int i = e / PER_ROW, c = (e % PER_ROW) * VEC;
+          float v8[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) v8[j] = i < valid ? input(2, i, c + j) : 0.0f;
+          *reinterpret_cast<uint4*>(Vm + i * LDK + c) = pack8<DType::kBF16>(v8);
+        }
+      }
+    }
+    invert_unit_lower();
+    for (int e = tid; e < C * C / 8; e += NT) {  // (I + L)^-1 diag(b) in bf16, zero above the diagonal blocks
+      const int i = e / (C / 8), j = (e % (C / 8)) * 8;
+      float x[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      if (j / 16 <= i / 16) {
+        float b8[8];
+        load8f(Ls + i * LDL + j, x);
+        load8f(bt + j, b8);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) x[m] *= b8[m];
+      }
+      *reinterpret_cast<uint4*>(Ab + i * LDA + j) = pack8<DType::kBF16>(x);
+    }
+    async::wait<0>();
+    __syncthreads();
+
+    // ---- P7: w = (I + L)^-1 diag(b) k^ 2^G, u = (I + L)^-1 diag(b) v ---------------------
+    // 2 x (C / 16) x (D / 16) output tiles over the waves, block row bi taking the
+    // k-blocks kb <= bi; staged in the Ka / Kb planes (dead), then 16-byte stores.
+    {
+      const uint16_t* Wm = reinterpret_cast<const uint16_t*>(Ks);
+      const uint16_t* Vm = reinterpret_cast<const uint16_t*>(Qs);
+      constexpr int TILES = 2 * NB * (D / 16);
+      for (int tile = wave; tile < TILES; tile += NW) {
+        const bool is_w = tile < NB * (D / 16);
+        const int tt = is_w ? tile : tile - NB * (D / 16);
+        const int bi = tt / (D / 16), dt = tt % (D / 16);
+        const uint16_t* rhs = is_w ? Wm : Vm;
+        mma::Acc acc;
+        mma::zero(acc);
+        for (int kb = 0; kb <= bi; ++kb) {
+          const mma::Frag fa = mma::load_a_smem(Ab + 16 * bi * LDA + 16 * kb, LDA);
+          const mma::Frag fb = mma::load_b_smem_kn(rhs + 16 * kb * LDK + 16 * dt, LDK);
+          mma::mma<DType::kBF16>(acc, fa, fb);
+        }
+        mma::store_tile<Io>(acc, (is_w ? KA : KB) + 16 * bi * LDK + 16 * dt, LDK);
+      }
+    }
+    __syncthreads();
+    {
+      constexpr int VEC = 8, PER_ROW = D / VEC;
+      const int n_out = valid * PER_ROW;
+      for (int e = tid; e < 2 * n_out; e += NT) {
+        const bool is_u = e >= n_out;
+        const int r = is_u ? e - n_out : e, i = r / PER_ROW, c = (r % PER_ROW) * VEC;
+        const uint4 x = *reinterpret_cast<const uint4*>((is_u ? KB : KA) + i * LDK + c);
+        *reinterpret_cast<uint4*>((is_u ? uout : wout) + (t0 + i) * row_hd + h * D + c) = x;
+      }
+    }
+  } else {
+  // ---- phase 2: elementwise outputs qg, kg_t, decay (16-byte stores) --------------------
   {
     constexpr int VEC = 8;
     T* qg = static_cast<T*>(a.qg) + static_cast<int64_t>(t0) * row_hd + h * D;
@@ -322,8 +721,6 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   }
 
   // ---- phase 3: L and aqk --------------------------------------------------------------
-  T* aqk = static_cast<T*>(a.aqk);
-  const int64_t row_hc = static_cast<int64_t>(H) * C;
 
   // The diagonal blocks take the matrix-unit path when the gate's bound keeps
   // 2^(G_i - G_r), r the block's middle row, within 2^(8 * kDiagMmaMaxBound / ln 2):
@@ -393,49 +790,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     }
   }
 
-  // Diagonal blocks otherwise: a wave per row, lanes over D, exact exponent differences.
-  float diagL[ROWS_PER_WAVE];
-#pragma unroll
-  for (int m = 0; m < ROWS_PER_WAVE; ++m) {
-    const int i = wave + m * NW;
-    diagL[m] = 0.0f;
-    if (diag_mma || i >= valid) continue;
-    const int b0 = 16 * (i / 16);
-    float qi[PER], ki[PER], gi[PER];
-#pragma unroll
-    for (int e = 0; e < PER; ++e) {
-      const int d = lane + e * kWaveSize;
-      const bool in = d < D;
-      qi[e] = in ? qval(i, d) : 0.0f;
-      ki[e] = in ? to_float<Io>(Ks[i * LDK + d]) : 0.0f;
-      gi[e] = in ? Gs[i * LDG + d] : 0.0f;
-    }
-    float myQ = 0.0f;
-    for (int j = b0; j <= i; ++j) {
-      float sk = 0.0f, sq = 0.0f;
-#pragma unroll
-      for (int e = 0; e < PER; ++e) {
-        const int d = lane + e * kWaveSize;
-        if (d < D) {
-          const float kj = to_float<Io>(Ks[j * LDK + d]) * exp2f(gi[e] - Gs[j * LDG + d]);
-          sk += ki[e] * kj;
-          sq += qi[e] * kj;
-        }
-      }
-      sk = wave_sum(sk);
-      sq = wave_sum(sq);
-      if (lane == j - b0) {
-        diagL[m] = sk;
-        myQ = sq;
-      }
-    }
-    T* arow = aqk + (t0 + i) * row_hc + h * C;
-    if (lane < 16) {
-      const int j = b0 + lane;
-      arow[j] = from_float<Io>(j <= i ? a.scale * rq[i] * rk[j] * myQ : 0.0f);
-    }
-    for (int j = b0 + 16 + lane; j < C; j += kWaveSize) arow[j] = from_float<Io>(0.0f);
-  }
+  diag_rows([&](int) { return !diag_mma; }, true);
   __syncthreads();
 
   // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w (and v into the q plane) --
@@ -477,8 +832,6 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   }
   __syncthreads();
 
-  T* wout = static_cast<T*>(a.w);
-  T* uout = static_cast<T*>(a.u);
   if constexpr (Lay::kMmaSolve) {
     // ---- phase 6: w = (I + L)^-1 (b k^ 2^G), u = (I + L)^-1 (b v) on the matrix units ---
     // (I + L)^-1 by 16-row blocks, in fp32 and in place of L: the diagonal blocks'
@@ -486,65 +839,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     //   Ainv_ij = -Inv_ii * sum_{k=j}^{i-1} L_ik Ainv_kj,
     // then rounded to bf16 for the two products with the right-hand sides.
     uint16_t* Ab = reinterpret_cast<uint16_t*>(Ls + C * Lay::LDL);
-    {
-      float x[16];
-      const int b = tid / 16, c = tid % 16;
-      if (tid < NB * 16) {
-#pragma unroll
-        for (int r = 0; r < 16; ++r) {
-          float v = r == c ? 1.0f : 0.0f;
-#pragma unroll
-          for (int j = 0; j < r; ++j) v -= Ls[(16 * b + r) * LDL + 16 * b + j] * x[j];
-          x[r] = v;
-        }
-      }
-      __syncthreads();
-      if (tid < NB * 16) {
-#pragma unroll
-        for (int r = 0; r < 16; ++r) Ls[(16 * b + r) * LDL + 16 * b + c] = x[r];
-      }
-      __syncthreads();
-    }
-    {
-      const int r = tid / 16 % 16, c = tid % 16;  // this thread's entry of a 16 x 16 block
-      static_assert(NT >= 256, "one thread per entry of a 16 x 16 block");
-      const bool act = tid < 256;
-#pragma unroll
-      for (int i = 1; i < NB; ++i) {
-        float t[NB];
-#pragma unroll
-        for (int j = 0; j < NB; ++j) {
-          t[j] = 0.0f;
-          if (act && j < i) {
-            for (int k = j; k < i; ++k) {
-#pragma unroll
-              for (int m = 0; m < 16; ++m)
-                t[j] += Ls[(16 * i + r) * LDL + 16 * k + m] * Ls[(16 * k + m) * LDL + 16 * j + c];
-            }
-          }
-        }
-        __syncthreads();  // row block i of L is read; its place takes T, then Ainv
-#pragma unroll
-        for (int j = 0; j < NB; ++j)
-          if (act && j < i) Ls[(16 * i + r) * LDL + 16 * j + c] = t[j];
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < NB; ++j) {
-          if (act && j < i) {
-            float v = 0.0f;
-#pragma unroll
-            for (int m = 0; m < 16; ++m)
-              v -= Ls[(16 * i + r) * LDL + 16 * i + m] * Ls[(16 * i + m) * LDL + 16 * j + c];
-            t[j] = v;
-          }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < NB; ++j)
-          if (act && j < i) Ls[(16 * i + r) * LDL + 16 * j + c] = t[j];
-        __syncthreads();
-      }
-    }
+    invert_unit_lower();
     for (int e = tid; e < C * C; e += NT) {  // bf16 copy, zero above the diagonal blocks
       const int i = e / C, j = e % C;
       Ab[i * Lay::LDA + j] = from_float<DType::kBF16>(j / 16 <= i / 16 ? Ls[i * LDL + j] : 0.0f);
@@ -615,6 +910,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       if (i < valid) dst[(t0 + i) * row_hd + h * D + d] = from_float<Io>(y[i]);
   }
   }  // kMmaSolve
+  }  // kPlanar
 }
 
 // After the prologue has read every sequence's conv history: store each

@@ -28,6 +28,19 @@ __device__ __forceinline__ float wave_sum(float x) {
   return x;
 }
 
+// Sum over aligned groups of kWidth neighbouring lanes (kWidth a power of two <= the wave).
+template <int kWidth> __device__ __forceinline__ float lane_group_sum(float x) {
+#pragma unroll
+  for (int o = kWidth / 2; o > 0; o >>= 1) x += __shfl_xor(x, o);
+  return x;
+}
+
+__device__ __forceinline__ float wave_max(float x) {
+#pragma unroll
+  for (int o = 32; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor(x, o));
+  return x;
+}
+
 // Order this lane's LDS writes before the other lanes' reads that follow (a wave runs in
 // lockstep; the fences keep the compiler from moving LDS accesses across).
 __device__ __forceinline__ void wave_sync() {
@@ -119,6 +132,33 @@ __device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
 }
 
 __device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) { return load_a_smem(p, ld); }
+
+// B[k][n] at p[k * ld + n] (n contiguous): the lane's four k are four rows.
+__device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
+  const int n = lane_id() & 15, q = lane_id() >> 4;
+  Frag b;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) b.x[j] = static_cast<short>(p[(4 * q + j) * ld + n]);
+  return b;
+}
+
+// B operand element (k, n) times s[k] (fp32, one rounding): this lane's k are 4q .. 4q + 3.
+template <DType T> __device__ __forceinline__ void scale_k(Frag& b, const float* s) {
+  const float4 f = *reinterpret_cast<const float4*>(s + 4 * (lane_id() >> 4));
+  const float fs[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    b.x[j] = pack1<T>(to_float<T>(static_cast<uint16_t>(b.x[j])) * fs[j]);
+}
+
+// The accumulator, rounded to T, into 16-bit LDS at p[row * ld + col]: a lane's four
+// neighbouring columns as one 64-bit store (ld a multiple of 4).
+template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint16_t* p, int ld) {
+  i16x4 x;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] = pack1<T>(c.v[j]);
+  *reinterpret_cast<i16x4*>(p + (lane_id() & 15) * ld + 4 * (lane_id() >> 4)) = x;
+}
 
 // -x for every element (16-bit floats: flip the sign bits; exact).
 __device__ __forceinline__ Frag neg(Frag f) {

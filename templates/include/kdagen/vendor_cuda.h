@@ -9,6 +9,9 @@
 //   for_each(acc, f) visits this lane's (row, col, value&)
 //   load_a2(f2) / load_b2(f2)  the same, f2 giving two neighbouring k as a float2
 //   load_a_smem / load_b_smem  the same operands read straight from 16-bit LDS
+//   load_b_smem_kn  B[k][n] from 16-bit LDS stored with n contiguous (k along rows)
+//   scale_k(frag, s)  every element of a B operand times s[k] (fp32, one rounding)
+//   store_tile(acc, p, ld)  the accumulator rounded to 16 bits into LDS, p[row * ld + col]
 //   neg(frag)  the operand negated
 // Here a 16x16 tile is two m16n8 halves; lane = 4 * g + t.
 #pragma once
@@ -28,6 +31,19 @@ __device__ __forceinline__ int wave_id() { return threadIdx.x >> 5; }
 __device__ __forceinline__ float wave_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Sum over aligned groups of kWidth neighbouring lanes (kWidth a power of two <= the wave).
+template <int kWidth> __device__ __forceinline__ float lane_group_sum(float x) {
+#pragma unroll
+  for (int o = kWidth / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float wave_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
 
@@ -135,7 +151,13 @@ template <DType T, class F> __device__ __forceinline__ Frag load_b2(F&& f2) {
 }
 
 // Straight from 16-bit shared memory: A[row][k] at p[row * ld + k], B[k][n] at
-// p[n * ld + k] (k contiguous). ld must be even; each register is one 32-bit load.
+// p[n * ld + k] (k contiguous), B[k][n] at p[k * ld + n] for load_b_smem_kn. One
+// ldmatrix.x4 each (rows 16-byte aligned: ld a multiple of 8, p 16-byte aligned); lane l
+// names row l % 8 of the 8x8 matrix l / 8, which lands in register l / 8.
+#if defined(KDAGEN_EMULATE)
+__device__ __forceinline__ uint32_t two16(const uint16_t* lo, const uint16_t* hi) {
+  return static_cast<uint32_t>(*lo) | (static_cast<uint32_t>(*hi) << 16);
+}
 __device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
   Frag a;
@@ -145,7 +167,6 @@ __device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
   a.r[3] = *reinterpret_cast<const uint32_t*>(p + (g + 8) * ld + 2 * t + 8);
   return a;
 }
-
 __device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
   Frag b;
@@ -155,6 +176,69 @@ __device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) {
     b.r[2 * h + 1] = *reinterpret_cast<const uint32_t*>(p + (8 * h + g) * ld + 2 * t + 8);
   }
   return b;
+}
+__device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  Frag b;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint16_t* c = p + 8 * h + g;
+    b.r[2 * h] = two16(c + (2 * t) * ld, c + (2 * t + 1) * ld);
+    b.r[2 * h + 1] = two16(c + (2 * t + 8) * ld, c + (2 * t + 9) * ld);
+  }
+  return b;
+}
+#else
+template <bool kTrans> __device__ __forceinline__ Frag ldmatrix_x4(const uint16_t* row) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  Frag f;
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]) : "r"(s) : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]) : "r"(s) : "memory");
+  }
+  return f;
+}
+__device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
+  const int m = lane_id() >> 3, r = lane_id() & 7;  // matrices: rows 0-7 / 8-15 x k 0-7 / 8-15
+  return ldmatrix_x4<false>(p + (r + 8 * (m & 1)) * ld + 8 * (m >> 1));
+}
+__device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) {
+  const int m = lane_id() >> 3, r = lane_id() & 7;  // matrices: n 0-7 x k 0-7, k 8-15; n 8-15 ...
+  return ldmatrix_x4<false>(p + (r + 8 * (m >> 1)) * ld + 8 * (m & 1));
+}
+__device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
+  const int m = lane_id() >> 3, r = lane_id() & 7;  // stored rows are k: transposed loads
+  return ldmatrix_x4<true>(p + (r + 8 * (m & 1)) * ld + 8 * (m >> 1));
+}
+#endif
+
+// B operand element (k, n) times s[k]: this lane's k are 2t, 2t + 1 (registers 0, 2) and
+// 2t + 8, 2t + 9 (registers 1, 3).
+template <DType T> __device__ __forceinline__ void scale_k(Frag& b, const float* s) {
+  const int t = lane_id() & 3;
+  const float2 lo = *reinterpret_cast<const float2*>(s + 2 * t);
+  const float2 hi = *reinterpret_cast<const float2*>(s + 2 * t + 8);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = i & 1 ? hi : lo;
+    const float x0 = to_float<T>(static_cast<uint16_t>(b.r[i] & 0xffffu));
+    const float x1 = to_float<T>(static_cast<uint16_t>(b.r[i] >> 16));
+    b.r[i] = pack2<T>(x0 * f.x, x1 * f.y);
+  }
+}
+
+// The accumulator, rounded to T, into 16-bit LDS at p[row * ld + col]: neighbouring
+// columns of a lane as one 32-bit store.
+template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint16_t* p, int ld) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    *reinterpret_cast<uint32_t*>(p + g * ld + 8 * h + 2 * t) = pack2<T>(c.v[4 * h], c.v[4 * h + 1]);
+    *reinterpret_cast<uint32_t*>(p + (g + 8) * ld + 8 * h + 2 * t) = pack2<T>(c.v[4 * h + 2], c.v[4 * h + 3]);
+  }
 }
 
 // -x for every element (16-bit floats: flip the sign bits; exact).
