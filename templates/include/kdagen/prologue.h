@@ -26,7 +26,7 @@
 // and a block pair (bi, bj) multiplies Kb by the per-channel scale 2^(G_f(bi) - G_l(bj))
 // inside its fragments. Every factor of an off-diagonal pair is <= 1; a diagonal block
 // takes the matrix units when its span G_f - G_l stays within kDiagSpan (else the exact
-// per-pair path below). w and u come from (I + L)^-1 diag(b) in bf16 times k^ 2^G and v
+// per-pair path below). w and u come from (I + L)^-1 in bf16 times b k^ 2^G and b v
 // (ldmatrix-transposed operands), staged through LDS for 16-byte stores like aqk.
 //
 // Elsewhere (64 KB CDNA LDS): fragments built element by element from the k / G planes;
@@ -503,14 +503,17 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       // kg_t [D][C]: a thread takes 8 consecutive rows i of one column d
       constexpr int VEC = 8;
       T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
-      for (int e = tid; e < D * (C / VEC); e += NT) {
-        const int d = e % D, i0 = (e / D) * VEC;
+      constexpr int PIECES = D * (C / VEC), ITERS = (PIECES + NT - 1) / NT;
+#pragma unroll
+      for (int m = 0; m < ITERS; ++m) {
+        const int e = tid + m * NT, d = e % D, i0 = (e / D) * VEC;
+        if (PIECES % NT != 0 && e >= PIECES) break;
         const float glast = Gs[last * LDG + d];
         float out8[VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
+        for (int j = 0; j < VEC; ++j) {  // rk is 0 past the end
           const int i = i0 + j;
-          out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2f(glast - Gs[i * LDG + d]) : 0.0f;
+          out8[j] = to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2f(glast - Gs[i * LDG + d]);
         }
         *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
       }
@@ -528,13 +531,16 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       __syncthreads();  // the raw k, q rows are read before P4 replaces them
     }
 
-    // ---- P4: the operand planes, and qg; k plane <- k^ 2^G (bf16), q plane <- Qa --------
+    // ---- P4: the operand planes, and qg; k plane <- b k^ 2^G (bf16), q plane <- Qa ------
     {
       T* qg = static_cast<T*>(a.qg) + static_cast<int64_t>(t0) * row_hd + h * D;
       uint16_t* Km = reinterpret_cast<uint16_t*>(Ks);
       uint16_t* Qm = reinterpret_cast<uint16_t*>(Qs);
-      for (int e = tid; e < C * (D / 8); e += NT) {
-        const int i = e / (D / 8), c = (e % (D / 8)) * 8, b = i / 16;
+      constexpr int PIECES = C * (D / 8), ITERS = PIECES / NT;
+      static_assert(PIECES % NT == 0, "the chunk's 16-byte pieces spread evenly");
+#pragma unroll 2
+      for (int m = 0; m < ITERS; ++m) {
+        const int e = tid + m * NT, i = e / (D / 8), c = (e % (D / 8)) * 8, b = i / 16;
         float k8[8], q8[8], g[8], gf[8], gl[8], pf[8];
         unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + c), k8);
         unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + i * LDK + c), q8);
@@ -542,7 +548,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
         load8f(Gs + 16 * b * LDG + c, gf);
         load8f(Gs + (16 * b + 15) * LDG + c, gl);
         load8f(Pv + b * D + c, pf);
-        const float ri = rk[i], qi = rq[i];
+        const float ri = rk[i], qi = rq[i], bi = bt[i];
         float ka[8], qa[8], kb[8], w8[8], qo[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -551,7 +557,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
           ka[j] = kn * up;
           qa[j] = qi * q8[j] * up;
           kb[j] = kn * down;
-          w8[j] = ka[j] * pf[j];  // k^ 2^G
+          w8[j] = bi * ka[j] * pf[j];  // b k^ 2^G
           qo[j] = qa[j] * pf[j];  // q^ 2^G
         }
         *reinterpret_cast<uint4*>(KA + i * LDK + c) = pack8<Mx>(ka);
@@ -607,77 +613,84 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     }
     __syncthreads();
 
-    // ---- P6: aqk out (16-byte stores); v into the q plane (bf16); (I + L)^-1 ------------
+    // ---- P6: b v into the q plane (bf16); aqk out (16-byte stores); (I + L)^-1 ---------
     {
-      constexpr int VEC = 8;
-      for (int e = tid; e < valid * (C / VEC); e += NT) {
-        const int i = e / (C / VEC), j = (e % (C / VEC)) * VEC, ib = i / 16, jb = j / 16;
-        if (jb == ib && dmma[ib] == 0) continue;  // stored by the exact path
-        const uint4 x = jb > ib ? make_uint4(0, 0, 0, 0) : *reinterpret_cast<const uint4*>(Ab + i * LDA + j);
-        *reinterpret_cast<uint4*>(aqk + (t0 + i) * row_hc + h * C + j) = x;
-      }
-    }
-    {
-      constexpr int VEC = 8, PER_ROW = D / VEC, ITERS = (C * PER_ROW + NT - 1) / NT;
+      constexpr int VEC = 8, PER_ROW = D / VEC, PIECES = C * PER_ROW, ITERS = PIECES / NT;
+      static_assert(PIECES % NT == 0, "the chunk's 16-byte pieces spread evenly");
       uint16_t* Vm = reinterpret_cast<uint16_t*>(Qs);
       const T* base = static_cast<const T*>(a.v.ptr) + static_cast<int64_t>(t0) * a.v.token +
                       static_cast<int64_t>(h) * a.v.head;
       const bool plain = (Cfg::kConvWidth == 0 || a.conv_weight == nullptr) &&
                          reinterpret_cast<uintptr_t>(base) % 16 == 0 && a.v.token % VEC == 0;
-      if (plain && Io == DType::kBF16) {  // asynchronous where the target copies so
+      uint4 vb[ITERS];
+      if (plain) {  // every load in flight before the aqk stores
 #pragma unroll
         for (int m = 0; m < ITERS; ++m) {
           const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
-          if (e < C * PER_ROW)
-            async::copy16(Vm + i * LDK + c, base + static_cast<int64_t>(min(i, last)) * a.v.token + c, i < valid);
+          vb[m] = make_uint4(0, 0, 0, 0);
+          if (i < valid) vb[m] = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(i) * a.v.token + c);
         }
-        async::commit();
-      } else {
-        for (int e = tid; e < C * PER_ROW; e += NT) {
-          const int i = e / PER_ROW, c = (e % PER_ROW) * VEC;
-          float v8[VEC];
+      }
+      {
+        constexpr int AV = 8;
+        for (int e = tid; e < valid * (C / AV); e += NT) {
+          const int i = e / (C / AV), j = (e % (C / AV)) * AV, ib = i / 16, jb = j / 16;
+          if (jb == ib && dmma[ib] == 0) continue;  // stored by the exact path
+          const uint4 x = jb > ib ? make_uint4(0, 0, 0, 0) : *reinterpret_cast<const uint4*>(Ab + i * LDA + j);
+          *reinterpret_cast<uint4*>(aqk + (t0 + i) * row_hc + h * C + j) = x;
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < ITERS; ++m) {
+        const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
+        float v8[VEC];
+        if (plain) {
+          unpack8<Io>(vb[m], v8);
+        } else {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) v8[j] = i < valid ? input(2, i, c + j) : 0.0f;
-          *reinterpret_cast<uint4*>(Vm + i * LDK + c) = pack8<DType::kBF16>(v8);
         }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v8[j] *= bt[i];
+        *reinterpret_cast<uint4*>(Vm + i * LDK + c) = pack8<DType::kBF16>(v8);
       }
     }
     invert_unit_lower();
-    for (int e = tid; e < C * C / 8; e += NT) {  // (I + L)^-1 diag(b) in bf16, zero above the diagonal blocks
+    for (int e = tid; e < C * C / 8; e += NT) {  // (I + L)^-1 in bf16, zero above the diagonal blocks
       const int i = e / (C / 8), j = (e % (C / 8)) * 8;
       float x[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      if (j / 16 <= i / 16) {
-        float b8[8];
-        load8f(Ls + i * LDL + j, x);
-        load8f(bt + j, b8);
-#pragma unroll
-        for (int m = 0; m < 8; ++m) x[m] *= b8[m];
-      }
+      if (j / 16 <= i / 16) load8f(Ls + i * LDL + j, x);
       *reinterpret_cast<uint4*>(Ab + i * LDA + j) = pack8<DType::kBF16>(x);
     }
-    async::wait<0>();
     __syncthreads();
 
-    // ---- P7: w = (I + L)^-1 diag(b) k^ 2^G, u = (I + L)^-1 diag(b) v ---------------------
-    // 2 x (C / 16) x (D / 16) output tiles over the waves, block row bi taking the
-    // k-blocks kb <= bi; staged in the Ka / Kb planes (dead), then 16-byte stores.
+    // ---- P7: w = (I + L)^-1 (b k^ 2^G), u = (I + L)^-1 (b v) ------------------------------
+    // A wave per 16-column slice of w or u: block rows bi take the k-blocks kb <= bi
+    // (unrolled); staged in the Ka / Kb planes (dead), then 16-byte stores.
     {
       const uint16_t* Wm = reinterpret_cast<const uint16_t*>(Ks);
       const uint16_t* Vm = reinterpret_cast<const uint16_t*>(Qs);
-      constexpr int TILES = 2 * NB * (D / 16);
-      for (int tile = wave; tile < TILES; tile += NW) {
-        const bool is_w = tile < NB * (D / 16);
-        const int tt = is_w ? tile : tile - NB * (D / 16);
-        const int bi = tt / (D / 16), dt = tt % (D / 16);
-        const uint16_t* rhs = is_w ? Wm : Vm;
-        mma::Acc acc;
-        mma::zero(acc);
-        for (int kb = 0; kb <= bi; ++kb) {
-          const mma::Frag fa = mma::load_a_smem(Ab + 16 * bi * LDA + 16 * kb, LDA);
-          const mma::Frag fb = mma::load_b_smem_kn(rhs + 16 * kb * LDK + 16 * dt, LDK);
-          mma::mma<DType::kBF16>(acc, fa, fb);
+      constexpr int SLICES = 2 * (D / 16);
+      static_assert(SLICES % NW == 0, "the w / u column slices spread evenly over the waves");
+#pragma unroll
+      for (int m = 0; m < SLICES / NW; ++m) {
+        const int sl = wave + m * NW;
+        const bool is_w = sl < D / 16;
+        const int dt = is_w ? sl : sl - D / 16;
+        const uint16_t* rhs = (is_w ? Wm : Vm) + 16 * dt;
+        uint16_t* dst = (is_w ? KA : KB) + 16 * dt;
+#pragma unroll
+        for (int bi = 0; bi < NB; ++bi) {
+          mma::Acc acc;
+          mma::zero(acc);
+#pragma unroll
+          for (int kb = 0; kb <= bi; ++kb) {
+            const mma::Frag fa = mma::load_a_smem(Ab + 16 * bi * LDA + 16 * kb, LDA);
+            const mma::Frag fb = mma::load_b_smem_kn(rhs + 16 * kb * LDK, LDK);
+            mma::mma<DType::kBF16>(acc, fa, fb);
+          }
+          mma::store_tile<Io>(acc, dst + 16 * bi * LDK, LDK);
         }
-        mma::store_tile<Io>(acc, (is_w ? KA : KB) + 16 * bi * LDK + 16 * dt, LDK);
       }
     }
     __syncthreads();
