@@ -73,6 +73,9 @@ struct PrologueLayout {
   static_assert(kBytes == Cfg::kPrologueBytes, "the LDS plan differs from kdagen/resources.py");
 };
 
+// Tag of the staging helper's asynchronous form.
+template <bool B> struct AsyncTag { static constexpr bool value = B; };
+
 // Planar path: the largest span G_f - G_l (log2 units) of a diagonal block that goes
 // through the matrix units. Its column operand reaches 2^span (times |k^| <= 1) and the
 // rounding floor of the rescaled Kb is 2^(span - 134) in bf16: 96 keeps both far from
@@ -159,7 +162,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
 
   // Stage a band's chunk rows into an LDS plane: 16-byte loads, all in flight at once,
   // when the rows are plain and aligned; element by element through input() otherwise.
-  auto stage = [&](T* dst, int band) {
+  // With kAsync and asynchronous copies on the target the plain rows go straight to LDS
+  // (cp.async, no registers): the caller commits, waits and synchronises.
+  auto stage = [&](T* dst, int band, auto async_tag) {
+    constexpr bool kAsync = decltype(async_tag)::value && async::kHardware;
     const Strided& s = band == 0 ? a.q : (band == 1 ? a.k : a.v);
     constexpr int VEC = 16 / static_cast<int>(sizeof(T));
     constexpr int PER_ROW = D / VEC, ITERS = (C * PER_ROW + NT - 1) / NT;
@@ -167,7 +173,14 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
                     static_cast<int64_t>(h) * s.head;
     const bool plain = (Cfg::kConvWidth == 0 || a.conv_weight == nullptr) &&
                        reinterpret_cast<uintptr_t>(base) % 16 == 0 && s.token % VEC == 0;
-    if (plain) {
+    if (plain && kAsync) {
+#pragma unroll
+      for (int m = 0; m < ITERS; ++m) {
+        const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
+        if (e < C * PER_ROW)
+          async::copy16(dst + i * LDK + c, base + static_cast<int64_t>(min(i, last)) * s.token + c, i < valid);
+      }
+    } else if (plain) {
       uint4 buf[ITERS];
 #pragma unroll
       for (int m = 0; m < ITERS; ++m) {
@@ -188,6 +201,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       }
     }
   };
+  using Sync = AsyncTag<false>;
+  using Async = AsyncTag<true>;
   // q (conv applied) from the LDS plane where it is staged, else from global memory.
   auto qval = [&](int i, int d) -> float {
     if constexpr (Cfg::kStageQ) return to_float<Io>(Qs[i * LDK + d]);
@@ -206,9 +221,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   auto g2 = [&](int i, int d) { return *reinterpret_cast<const float2*>(Gs + i * LDG + d); };
 
   // ---- phase 1: k (and q) rows, beta, the gate; then norms and the cumulative gate -----
-  // Every global load of the chunk is issued here, before anything waits on one.
-  stage(Ks, 1);
-  if constexpr (Cfg::kStageQ) stage(Qs, 0);
+  // Every global load of the chunk is issued here, before anything waits on one (k and q
+  // as asynchronous copies where the target has them, landing while the gate is computed).
+  stage(Ks, 1, Async{});
+  if constexpr (Cfg::kStageQ) stage(Qs, 0, Async{});
+  async::commit();
   for (int i = tid; i < C; i += NT)
     bt[i] = i < valid ? sigmoid(to_float<Io>(static_cast<const T*>(a.beta.ptr)[
                             static_cast<int64_t>(t0 + i) * a.beta.token +
@@ -262,6 +279,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       dst[1] = make_float4(gv[4], gv[5], gv[6], gv[7]);
     }
   }
+  async::wait<0>();  // this thread's k / q copies have landed; the barrier publishes them
   __syncthreads();
   {
     // Cumulative sum down each column, SEG threads per column: each sums its run of
@@ -807,7 +825,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   __syncthreads();
 
   // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w (and v into the q plane) --
-  if constexpr (Lay::kMmaSolve) stage(Qs, 2);
+  if constexpr (Lay::kMmaSolve) stage(Qs, 2, Sync{});
   for (int e = tid; e < C * (D / 8); e += NT) {  // 8 elements: 16-byte k, two float4 of G
     const int i = e / (D / 8), d = (e % (D / 8)) * 8;
     float k8[8];
