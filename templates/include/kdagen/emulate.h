@@ -59,6 +59,7 @@ inline float2 make_float2(float a, float b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float x, float y) { return x / y; }
+inline float __logf(float x) { return std::log(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __uint_as_float(uint32_t u) { return __builtin_bit_cast(float, u); }
 inline uint32_t __float_as_uint(float f) { return __builtin_bit_cast(uint32_t, f); }

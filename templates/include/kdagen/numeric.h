@@ -87,8 +87,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
-// softplus(x) = log(1 + e^x), and x itself past 20 (as in FLA and the DESIGN).
-__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
+// softplus(x) = log(1 + e^x), and x itself past 20 (as in FLA and the DESIGN), as
+// max(x, 0) + log(1 + e^-|x|) with the fast log: its absolute error (2^-21.4 on [1, 2])
+// is what reaches the cumulative gate, a few 1e-7 per step; log1pf costs 3x the instructions.
+__device__ __forceinline__ float softplus(float x) {
+  return x > 20.0f ? x : fmaxf(x, 0.0f) + __logf(1.0f + __expf(-fabsf(x)));
+}
 
 // The per-channel gate in log2 units: g / ln 2, with x = raw_g + dt_bias.
 //   softplus form:    g = -exp(A_log) * softplus(x)
