@@ -8,7 +8,9 @@
 # KDAGEN_GPU_TESTS narrows the test files, KDAGEN_SANITIZE=0 skips compute-sanitizer,
 # KDAGEN_SANITIZE_TOOLS picks its tools, KDAGEN_BENCH_REPS / _GATES shape the benchmark.
 #
-# On the device tool: run with carry [".whl"] (pydantic & co, fla-core wheels).
+# On the device tool: run with carry [".whl"] (pydantic & co, fla-core wheels), and pass
+# KDAGEN_COMMIT=<local HEAD>: the device's copy of .git can be older than its files, and
+# the benchmark table names the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdagen-out}
