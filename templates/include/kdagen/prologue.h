@@ -78,9 +78,10 @@ template <bool B> struct AsyncTag { static constexpr bool value = B; };
 
 // Planar path: the largest span G_f - G_l (log2 units) of a diagonal block that goes
 // through the matrix units. Its column operand reaches 2^span (times |k^| <= 1) and the
-// rounding floor of the rescaled Kb is 2^(span - 134) in bf16: 96 keeps both far from
-// harm; fp16 (max 2^16, floor 2^-24) allows 8.
-template <DType Mx> constexpr float kDiagSpan = Mx == DType::kBF16 ? 96.0f : 8.0f;
+// rounding floor of the stored Kb (bf16 subnormals: 2^-133) becomes 2^(span - 133) after
+// the rescale: 110 keeps that below 2^-23 and covers a lower bound of -5 held for all 15
+// steps of a block (span 108); fp16 (max 2^16, floor 2^-24) allows 8.
+template <DType Mx> constexpr float kDiagSpan = Mx == DType::kBF16 ? 110.0f : 8.0f;
 
 // Largest |lower_bound| for which the diagonal blocks use the matrix units: their
 // factors stay below 2^(8 * 8 / ln 2) = 2^92 and multiply normalised rows (|x| <= 1),
