@@ -95,8 +95,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   using Lay = PrologueLayout<Cfg>;
   constexpr int C = Lay::C, D = Lay::D, LDG = Lay::LDG, LDL = Lay::LDL, LDK = Lay::LDK;
   constexpr int NT = Cfg::kPrologueThreads, NW = NT / kWaveSize;
-  constexpr int NB = C / 16;                         // 16-row blocks per chunk
-  constexpr int PAIRS = NB * (NB - 1) / 2;           // off-diagonal block pairs
+  constexpr int NB = Lay::NB;                        // 16-row blocks per chunk
+  constexpr int PAIRS = Lay::kPairs;                 // off-diagonal block pairs
   // With a lower-bounded gate the diagonal blocks go through the matrix units too
   // (pairs PAIRS.. PAIRS + NB - 1), when the bound keeps the factors in range.
   constexpr int MMA_PAIRS = PAIRS + (Cfg::kLowerBound ? NB : 0);
@@ -161,6 +161,18 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     }
   };
 
+  // The chunk's first row of this head in a strided input, and whether its rows can be
+  // read as 16-byte pieces (aligned; for q / k / v also no conv to apply).
+  auto chunk_rows = [&](const Strided& s) -> const T* {
+    return static_cast<const T*>(s.ptr) + static_cast<int64_t>(t0) * s.token + static_cast<int64_t>(h) * s.head;
+  };
+  auto aligned_rows = [&](const Strided& s, const T* base) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && s.token % (16 / static_cast<int>(sizeof(T))) == 0;
+  };
+  auto plain_band = [&](const Strided& s, const T* base) {
+    return (Cfg::kConvWidth == 0 || a.conv_weight == nullptr) && aligned_rows(s, base);
+  };
+
   // Stage a band's chunk rows into an LDS plane: 16-byte loads, all in flight at once,
   // when the rows are plain and aligned; element by element through input() otherwise.
   // With kAsync and asynchronous copies on the target the plain rows go straight to LDS
@@ -170,10 +182,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     const Strided& s = band == 0 ? a.q : (band == 1 ? a.k : a.v);
     constexpr int VEC = 16 / static_cast<int>(sizeof(T));
     constexpr int PER_ROW = D / VEC, ITERS = (C * PER_ROW + NT - 1) / NT;
-    const T* base = static_cast<const T*>(s.ptr) + static_cast<int64_t>(t0) * s.token +
-                    static_cast<int64_t>(h) * s.head;
-    const bool plain = (Cfg::kConvWidth == 0 || a.conv_weight == nullptr) &&
-                       reinterpret_cast<uintptr_t>(base) % 16 == 0 && s.token % VEC == 0;
+    const T* base = chunk_rows(s);
+    const bool plain = plain_band(s, base);
     if (plain && kAsync) {
 #pragma unroll
       for (int m = 0; m < ITERS; ++m) {
@@ -238,9 +248,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     constexpr int VEC = 8, PER_ROW = D / VEC, ITERS = (C * PER_ROW + NT - 1) / NT;
     const float a_exp = __expf(a.a_log[h]);
     const float* bias = a.dt_bias + h * D;
-    const T* base = static_cast<const T*>(a.g.ptr) + static_cast<int64_t>(t0) * a.g.token +
-                    static_cast<int64_t>(h) * a.g.head;
-    const bool plain = reinterpret_cast<uintptr_t>(base) % 16 == 0 && a.g.token % VEC == 0;
+    const T* base = chunk_rows(a.g);
+    const bool plain = aligned_rows(a.g, base);
     uint4 buf[ITERS];
 #pragma unroll
     for (int m = 0; m < ITERS; ++m) {
@@ -488,16 +497,41 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     }
   };
 
+  // Block pair p: the off-diagonal pairs (bi > bj) first, p = bi (bi - 1) / 2 + bj, then
+  // the diagonal blocks.
+  auto pair_blocks = [&](int p, int& bi, int& bj) {
+    if (p < PAIRS) {
+      bi = 1, bj = p;
+      while (bj >= bi) { bj -= bi; ++bi; }
+    } else {
+      bi = bj = p - PAIRS;
+    }
+  };
+
+  // kg_t [D][C] (zero past the end; a thread takes 8 consecutive rows of one column d)
+  // and decay, from the raw k plane and G.
+  auto store_kg_t_and_decay = [&]() {
+    constexpr int VEC = 8, PIECES = D * (C / VEC), ITERS = (PIECES + NT - 1) / NT;
+    T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
+#pragma unroll
+    for (int m = 0; m < ITERS; ++m) {
+      const int e = tid + m * NT, d = e % D, i0 = (e / D) * VEC;
+      if (PIECES % NT != 0 && e >= PIECES) break;
+      const float glast = Gs[last * LDG + d];
+      float out8[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const int i = i0 + j;
+        out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2f(glast - Gs[i * LDG + d]) : 0.0f;
+      }
+      *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
+    }
+    for (int d = tid; d < D; d += NT)
+      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
+  };
+
   if constexpr (Lay::kPlanar) {
     constexpr int kScales = Lay::kScales, LDA = Lay::LDA;
-    auto pair_blocks = [&](int p, int& bi, int& bj) {  // off-diagonal pairs, then diagonal
-      if (p < PAIRS) {
-        bi = 1, bj = p;  // p = bi * (bi - 1) / 2 + bj
-        while (bj >= bi) { bj -= bi; ++bi; }
-      } else {
-        bi = bj = p - PAIRS;
-      }
-    };
     auto load8f = [](const float* p, float (&v)[8]) {
       const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
       v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
@@ -518,27 +552,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       span = wave_max(span);
       if (lane == 0) dmma[wave] = span <= kDiagSpan<Mx> ? 1 : 0;
     }
-    {
-      // kg_t [D][C]: a thread takes 8 consecutive rows i of one column d
-      constexpr int VEC = 8;
-      T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
-      constexpr int PIECES = D * (C / VEC), ITERS = (PIECES + NT - 1) / NT;
-#pragma unroll
-      for (int m = 0; m < ITERS; ++m) {
-        const int e = tid + m * NT, d = e % D, i0 = (e / D) * VEC;
-        if (PIECES % NT != 0 && e >= PIECES) break;
-        const float glast = Gs[last * LDG + d];
-        float out8[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {  // rk is 0 past the end
-          const int i = i0 + j;
-          out8[j] = to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2f(glast - Gs[i * LDG + d]);
-        }
-        *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
-      }
-      for (int d = tid; d < D; d += NT)
-        a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
-    }
+    store_kg_t_and_decay();
     __syncthreads();
 
     // ---- P3: diagonal blocks whose span is too wide: exact per pair ---------------------
@@ -637,10 +651,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       constexpr int VEC = 8, PER_ROW = D / VEC, PIECES = C * PER_ROW, ITERS = PIECES / NT;
       static_assert(PIECES % NT == 0, "the chunk's 16-byte pieces spread evenly");
       uint16_t* Vm = reinterpret_cast<uint16_t*>(Qs);
-      const T* base = static_cast<const T*>(a.v.ptr) + static_cast<int64_t>(t0) * a.v.token +
-                      static_cast<int64_t>(h) * a.v.head;
-      const bool plain = (Cfg::kConvWidth == 0 || a.conv_weight == nullptr) &&
-                         reinterpret_cast<uintptr_t>(base) % 16 == 0 && a.v.token % VEC == 0;
+      const T* base = chunk_rows(a.v);
+      const bool plain = plain_band(a.v, base);
       uint4 vb[ITERS];
       if (plain) {  // every load in flight before the aqk stores
 #pragma unroll
@@ -735,22 +747,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       for (int j = 0; j < VEC; ++j) out8[j] = qval(i, c + j) * rq[i] * exp2f(Gs[i * LDG + c + j]);
       *reinterpret_cast<uint4*>(qg + i * row_hd + c) = pack8<Io>(out8);
     }
-    // kg_t [D][C]: a thread takes 8 consecutive rows i of one column d
-    T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
-    for (int e = tid; e < D * (C / VEC); e += NT) {
-      const int d = e % D, i0 = (e / D) * VEC;
-      const float glast = Gs[last * LDG + d];
-      float out8[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const int i = i0 + j;
-        out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2f(glast - Gs[i * LDG + d]) : 0.0f;
-      }
-      *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
-    }
-    for (int d = tid; d < D; d += NT)
-      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
   }
+  store_kg_t_and_decay();
 
   // ---- phase 3: L and aqk --------------------------------------------------------------
 
@@ -766,12 +764,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
 #pragma unroll
   for (int pp = 0; pp < PAIRS_PER_WAVE; ++pp) {
     const int p = wave + pp * NW;
-    int bi = 1, bj = p;  // p = bi * (bi - 1) / 2 + bj for the off-diagonal pairs
-    if (p < PAIRS) {
-      while (bj >= bi) { bj -= bi; ++bi; }
-    } else {
-      bi = bj = p - PAIRS;  // diagonal block
-    }
+    int bi, bj;
+    pair_blocks(p, bi, bj);
     pair_bi[pp] = bi;
     pair_bj[pp] = bj;
     mma::zero(accL[pp]);

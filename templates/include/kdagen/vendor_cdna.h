@@ -22,18 +22,14 @@ constexpr int kWaveSize = 64;
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 63; }
 __device__ __forceinline__ int wave_id() { return threadIdx.x >> 6; }
 
-__device__ __forceinline__ float wave_sum(float x) {
-#pragma unroll
-  for (int o = 32; o > 0; o >>= 1) x += __shfl_xor(x, o);
-  return x;
-}
-
 // Sum over aligned groups of kWidth neighbouring lanes (kWidth a power of two <= the wave).
 template <int kWidth> __device__ __forceinline__ float lane_group_sum(float x) {
 #pragma unroll
   for (int o = kWidth / 2; o > 0; o >>= 1) x += __shfl_xor(x, o);
   return x;
 }
+
+__device__ __forceinline__ float wave_sum(float x) { return lane_group_sum<kWaveSize>(x); }
 
 __device__ __forceinline__ float wave_max(float x) {
 #pragma unroll

@@ -28,18 +28,14 @@ constexpr int kWaveSize = 32;
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int wave_id() { return threadIdx.x >> 5; }
 
-__device__ __forceinline__ float wave_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
 // Sum over aligned groups of kWidth neighbouring lanes (kWidth a power of two <= the wave).
 template <int kWidth> __device__ __forceinline__ float lane_group_sum(float x) {
 #pragma unroll
   for (int o = kWidth / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+
+__device__ __forceinline__ float wave_sum(float x) { return lane_group_sum<kWaveSize>(x); }
 
 __device__ __forceinline__ float wave_max(float x) {
 #pragma unroll
@@ -80,14 +76,7 @@ struct Acc { float v[8]; };
 struct Frag { uint32_t r[4]; };
 
 template <DType T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  static_assert(T != DType::kFP32, "matrix operands are 16-bit");
-  if constexpr (T == DType::kBF16) {
-    __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&p);
-  } else {
-    __half2 p = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&p);
-  }
+  return pack2_io<T>(lo, hi);
 }
 
 __device__ __forceinline__ void zero(Acc& c) {
