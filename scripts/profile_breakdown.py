@@ -1,0 +1,77 @@
+"""Where the end-to-end time of the bench shapes goes: each call as the bench times it
+(eager, host work included), the same two calls replayed from a CUDA graph (device time
+alone), and every kernel's device time from the torch profiler.
+
+    python3 scripts/profile_breakdown.py [shapes] [gate]    e.g. 1x32768:32,8x4096:32 lower_bound
+
+Prints one line per shape: eager ms, graph ms, host overhead, and the kernels' times.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import torch
+
+import kdagen
+from kdagen.bench import parse_shapes, time_ms
+from kdagen.jit import device_target
+from kdagen.testing import make_inputs
+from kdagen.varlen import prepare_chunk_indices
+
+DEFAULT = "1x32768:32,8x4096:32,32x1024:32,1x2048:32,1x131072:8,64x256:32"
+
+
+def kernel_times(fn, reps: int) -> dict[str, float]:
+    """Device ms per call of every kernel ``fn`` launches (profiler, ``reps`` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name.split("<")[0].split("(")[0].replace("void ", "").replace("kdagen::", "")
+            if "<" in ev.name and "chunk_kernel" in ev.name:
+                name += "[mode " + ev.name.split(",")[-1].strip(" >()") + "]"
+            out[name] += ev.device_time_total / 1000.0 / reps
+    return dict(out)
+
+
+def main() -> None:
+    shapes = parse_shapes(sys.argv[1] if len(sys.argv) > 1 else DEFAULT)
+    gate = sys.argv[2] if len(sys.argv) > 2 else "lower_bound"
+    kern = kdagen.load({"target": device_target(), "gate": gate})
+    C = kern.spec.chunk_size
+    for n, t, h in shapes:
+        x = make_inputs([t] * n, h, 128, gate=gate, seed=1)
+        init = torch.randn(n, h, 128, 128, device="cuda") * 0.05
+        ci = prepare_chunk_indices(x.cu_seqlens, C)
+        groups = kern._choose_groups((t + C - 1) // C, n, h, torch.device("cuda"))
+
+        def e2e(chunk_indices=None):
+            p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens,
+                                        chunk_indices=chunk_indices)
+            return kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
+                                        p["u"], None, x.cu_seqlens, init, True, groups=groups)
+
+        eager = time_ms(lambda _: e2e(), 1, 20)
+        e2e(ci)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            e2e(ci)
+        replay = time_ms(lambda _: graph.replay(), 1, 20)
+        ks = kernel_times(lambda: e2e(ci), 10)
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ks.items(), key=lambda kv: -kv[1]))
+        print(f"{n}x{t}x{h} {gate} groups {groups}: eager {eager:.3f} ms, graph {replay:.3f} ms, "
+              f"host {eager - replay:+.3f} ms | {parts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
