@@ -93,16 +93,29 @@ def cu_seqlens(op: str, cu: object, total_tokens: int, device: torch.device | No
     if t.numel() < 2:
         _fail(op, "cu_seqlens", f"must hold at least 2 offsets (N + 1), got {t.numel()}")
     if values_checkable():
-        vals = t.tolist()
-        if vals[0] != 0:
-            _fail(op, "cu_seqlens", f"must start at 0, got {vals[0]}")
-        bad = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
-        if bad is not None:
-            _fail(op, "cu_seqlens", f"must be non-decreasing, but [{bad - 1}] = {vals[bad - 1]} > "
-                                    f"[{bad}] = {vals[bad]}")
-        if vals[-1] != total_tokens:
-            _fail(op, "cu_seqlens", f"must end at the token count {total_tokens}, got {vals[-1]}")
+        cu_values(op, t.tolist(), total_tokens)
     return t
+
+
+def cu_seqlens_values(op: str, t: torch.Tensor, total_tokens: int) -> list[int]:
+    """The values of a checked-shape ``cu_seqlens`` (one host read), after checking them."""
+    if t.numel() < 2:
+        _fail(op, "cu_seqlens", f"must hold at least 2 offsets (N + 1), got {t.numel()}")
+    vals = t.tolist()
+    cu_values(op, vals, total_tokens)
+    return vals
+
+
+def cu_values(op: str, vals: list[int], total_tokens: int) -> None:
+    """Starts at 0, never decreases, ends at the token count."""
+    if vals[0] != 0:
+        _fail(op, "cu_seqlens", f"must start at 0, got {vals[0]}")
+    bad = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
+    if bad is not None:
+        _fail(op, "cu_seqlens", f"must be non-decreasing, but [{bad - 1}] = {vals[bad - 1]} > "
+                                f"[{bad}] = {vals[bad]}")
+    if vals[-1] != total_tokens:
+        _fail(op, "cu_seqlens", f"must end at the token count {total_tokens}, got {vals[-1]}")
 
 
 def indices(op: str, name: str, t: object, n: int, rows: int, device: torch.device | None) -> torch.Tensor:

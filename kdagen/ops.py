@@ -16,9 +16,10 @@ import torch
 
 from . import checks as ck
 from . import autotune
+from . import seqlens
 from .groups import chunk_groups, group_workspace, num_compute_units
 from .spec import KernelSpec
-from .varlen import prepare_chunk_indices, prepare_chunk_offsets
+from .varlen import prepare_chunk_indices
 
 IO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -192,8 +193,8 @@ class Kernels:
         ck.tensor(op, "raw_beta", raw_beta, shape=(1, T, H), dtypes=(dt,))
         dev = self._gpu(op, q, "q")
         ck.same_device(op, q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta)
-        cu = ck.cu_seqlens(op, cu_seqlens, T, dev)
-        N = cu.numel() - 1
+        sl = seqlens.checked(op, cu_seqlens, T, dev, C)
+        N = sl.num_seqs
         a_log, bias = self._head_params(op, A_log, dt_bias, H, dev)
         lb = self._gate(op, lower_bound)
         if conv_weight is not None:
@@ -222,7 +223,7 @@ class Kernels:
                 if t is not None:
                     raise ck.ArgumentError(f"{op}: argument '{name}' needs conv_weight")
         if chunk_indices is None:
-            ci = prepare_chunk_indices(cu, C)
+            ci = sl.chunk_indices if sl.chunk_indices is not None else prepare_chunk_indices(sl.cu32, C)
         else:  # the caller's indices must be the ones cu_seqlens implies
             ci = ck.tensor(op, "chunk_indices", chunk_indices, ndim=2, dtypes=ck.INDEX_DTYPES,
                            device=dev)
@@ -230,7 +231,8 @@ class Kernels:
                 raise ck.ArgumentError(f"{op}: argument 'chunk_indices' must be [chunks, 2], got "
                                        f"{tuple(ci.shape)}")
             if ck.values_checkable():
-                ck.same_values(op, "chunk_indices", ci, prepare_chunk_indices(cu, C), "the rows")
+                want = sl.chunk_indices if sl.chunk_indices is not None else prepare_chunk_indices(sl.cu32, C)
+                ck.same_values(op, "chunk_indices", ci, want, "the rows")
         ci = ci.to(torch.int32).contiguous()
         nchunks = ci.shape[0]
 
@@ -244,7 +246,7 @@ class Kernels:
             decay=_empty(nchunks, H, D, dtype=torch.float32, device=dev),
         )
         fn(q, k, v, raw_g, raw_beta, a_log, bias, ws["qg"], ws["w"], ws["u"], ws["kg_t"], ws["aqk"],
-           ws["decay"], cu.to(torch.int32).contiguous(), ci, conv_weight, conv_state,
+           ws["decay"], sl.cu32, ci, conv_weight, conv_state,
            conv_state_indices, conv_has_initial_state, _scale(scale, D), lb)
         return ws
 
@@ -303,8 +305,8 @@ class Kernels:
                   aligned=16)  # read as 16-byte copies
         dev = self._gpu(op, qg, "qg")
         ck.same_device(op, qg, w=w, u=u, kg_t=kg_t, aqk=aqk, decay=decay, out=out)
-        cu = ck.cu_seqlens(op, cu_seqlens, T, dev)
-        N = cu.numel() - 1
+        sl = seqlens.checked(op, cu_seqlens, T, dev, C)
+        N = sl.num_seqs
         st = (N, H, D, D)
         ck.optional(op, "initial_state", initial_state, shape=st, dtypes=(torch.float32,),
                     device=dev, contiguous=True)
@@ -333,7 +335,7 @@ class Kernels:
                                        f"({N}) without checkpoint_state_indices, got "
                                        f"{checkpoint_state.shape[0]}")
             if ck.values_checkable():
-                _check_checkpoints(op, offs, cu, C)
+                _check_checkpoints(op, offs, sl.cu32, C)
             checkpoint_offsets = offs.to(torch.int32).contiguous()
         else:
             if checkpoint_state_indices is not None:
@@ -341,8 +343,7 @@ class Kernels:
                                        "checkpoint_offsets")
             ck.optional(op, "checkpoint_state", checkpoint_state, shape=(None, H, D, D),
                         dtypes=(torch.float32,), device=dev, contiguous=True)
-        cu32 = cu.to(torch.int32).contiguous()
-        want = prepare_chunk_offsets(cu32, C)
+        cu32, want = sl.cu32, sl.chunk_offsets
         if chunk_offsets is None:
             co = want
         else:
@@ -351,9 +352,10 @@ class Kernels:
             if ck.values_checkable():
                 ck.same_values(op, "chunk_offsets", co, want, "offsets")
         if ck.values_checkable():
-            if int(want[-1]) != nchunks:
+            made = sl.num_chunks if sl.num_chunks is not None else int(want[-1])
+            if made != nchunks:
                 raise ck.ArgumentError(f"{op}: argument 'kg_t' holds {nchunks} chunks, but "
-                                       f"cu_seqlens makes {int(want[-1])} chunks of {C}")
+                                       f"cu_seqlens makes {made} chunks of {C}")
 
         final_state = None
         if output_final_state:

@@ -1,0 +1,91 @@
+"""The per-tensor cache of checked cu_seqlens (kdagen/seqlens.py): a hit reads no values,
+any in-place change or another tensor is checked afresh, and errors stay the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdagen import checks as ck
+from kdagen import seqlens
+from kdagen.varlen import prepare_chunk_indices, prepare_chunk_offsets
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    seqlens.clear()
+    reads = []
+    real = ck.cu_seqlens_values
+
+    def counting(op, t, total):
+        reads.append(t)
+        return real(op, t, total)
+
+    monkeypatch.setattr(ck, "cu_seqlens_values", counting)
+    yield reads
+    seqlens.clear()
+
+
+def test_second_call_reads_nothing_and_derives_the_same(fresh):
+    cu = torch.tensor([0, 5, 5, 70, 200], dtype=torch.int64)
+    a = seqlens.checked("op", cu, 200, None, 64)
+    b = seqlens.checked("op", cu, 200, None, 64)
+    assert len(fresh) == 1 and a is b
+    assert a.num_chunks == 1 + 0 + 2 + 3
+    assert torch.equal(a.chunk_indices, prepare_chunk_indices(cu, 64))
+    assert torch.equal(a.chunk_offsets, prepare_chunk_offsets(cu, 64))
+    assert a.cu32.dtype == torch.int32 and a.num_seqs == 4
+
+
+def test_in_place_change_is_checked_again(fresh):
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+    seqlens.checked("op", cu, 128, None, 64)
+    cu[1] = 100  # bumps the version counter
+    info = seqlens.checked("op", cu, 128, None, 64)
+    assert len(fresh) == 2 and info.num_chunks == 3
+    cu[1] = 200
+    with pytest.raises(ValueError, match="non-decreasing"):
+        seqlens.checked("op", cu, 128, None, 64)
+
+
+def test_hit_with_another_token_count_still_fails():
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+    seqlens.checked("op", cu, 128, None, 64)
+    with pytest.raises(ValueError, match="must end at the token count 129, got 128"):
+        seqlens.checked("op", cu, 129, None, 64)
+
+
+def test_equal_values_in_another_tensor_are_checked(fresh):
+    seqlens.checked("op", torch.tensor([0, 64]), 64, None, 64)
+    seqlens.checked("op", torch.tensor([0, 64]), 64, None, 64)
+    assert len(fresh) == 2
+
+
+def test_chunk_size_is_part_of_the_key():
+    cu = torch.tensor([0, 100], dtype=torch.int32)
+    assert seqlens.checked("op", cu, 100, None, 64).num_chunks == 2
+    assert seqlens.checked("op", cu, 100, None, 32).num_chunks == 4
+
+
+def test_switched_off_checks_every_call(fresh, monkeypatch):
+    monkeypatch.setenv("KDAGEN_SEQLEN_CACHE", "0")
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+    a = seqlens.checked("op", cu, 128, None, 64)
+    assert a.chunk_indices is None and a.num_chunks is None
+    assert torch.equal(a.chunk_offsets, prepare_chunk_offsets(cu, 64))
+    with pytest.raises(ValueError, match="must start at 0"):
+        seqlens.checked("op", torch.tensor([1, 64]), 64, None, 64)
+
+
+def test_values_unreadable_skips_the_cache(monkeypatch):
+    monkeypatch.setenv("KDAGEN_CHECK_VALUES", "0")
+    cu = torch.tensor([3, 1], dtype=torch.int32)  # wrong, but values cannot be read
+    info = seqlens.checked("op", cu, 64, None, 64)
+    assert info.chunk_indices is None
+
+
+def test_bounded_and_no_stale_identity(fresh):
+    for _ in range(3 * seqlens.CACHE_ENTRIES):
+        seqlens.checked("op", torch.tensor([0, 64], dtype=torch.int32), 64, None, 64)
+    assert len(seqlens._entries) <= seqlens.CACHE_ENTRIES
+    assert len(fresh) == 3 * seqlens.CACHE_ENTRIES  # a dead tensor's id never hits
