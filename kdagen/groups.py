@@ -49,11 +49,16 @@ def workspace_floats(groups: int, nh: int, head_dim: int) -> int:
     return 3 * groups * nh * head_dim * head_dim
 
 
-def group_workspace(groups: int, nh: int, head_dim: int, device: torch.device) -> torch.Tensor | None:
-    """One fp32 buffer from the caching allocator (so memory profilers see it)."""
+def group_workspace(groups: int, nh: int, head_dim: int, device: torch.device,
+                    poison: bool = False) -> torch.Tensor | None:
+    """One fp32 buffer from the caching allocator (so memory profilers see it); NaN-filled
+    with ``poison`` (tests: a plane the scan reads before a kernel writes it shows)."""
     if groups <= 1:
         return None
-    return torch.empty(workspace_floats(groups, nh, head_dim), dtype=torch.float32, device=device)
+    n = workspace_floats(groups, nh, head_dim)
+    if poison:
+        return torch.full((n,), float("nan"), dtype=torch.float32, device=device)
+    return torch.empty(n, dtype=torch.float32, device=device)
 
 
 @lru_cache(maxsize=None)

@@ -363,16 +363,20 @@ class Kernels:
         if groups is None:
             groups = self._choose_groups(nchunks // max(N, 1), N, H, dev)
         groups = ck.group_count(op, groups)
-        workspace = group_workspace(groups, N * H, D, dev)
+        workspace = group_workspace(groups, N * H, D, dev, poison=_poisoning())
         fn(qg, w, u, kg_t, aqk, decay, out, cu32, co, _scale(scale, D), initial_state, final_state,
            workspace, int(groups), checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
            state_cache, state_indices, has_initial_state)
         return out, final_state
 
 
+def _poisoning() -> bool:
+    return not ck.tracing() and os.environ.get("KDAGEN_POISON", "") not in ("", "0")
+
+
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty, or NaN-filled with KDAGEN_POISON=1 so tests see unwritten elements."""
-    if not ck.tracing() and os.environ.get("KDAGEN_POISON", "") not in ("", "0"):
+    if _poisoning():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(*shape, dtype=dtype, device=device)
 

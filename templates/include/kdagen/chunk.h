@@ -11,8 +11,8 @@
 //   S^T     = S^T Diag(decay) + v_new^T kg
 //
 // Chunk groups (DESIGN 2): the walk is affine, S_{c+1} = M_c S_c + kg_c^T u_c.
-//   pass one  (kMode 1): per group, the zero-start state B_g (rows < V) and the
-//             transfer R_g = A_g^T (rows V..V+K, started from the identity, u = 0).
+//   pass one  (kMode 1): per group but the last, the zero-start state B_g (rows < V) and
+//             the transfer R_g = A_g^T (rows V..V+K, started from the identity, u = 0).
 //   scan      (group_scan_kernel): S_start(g+1) = S_start(g) R_g + B_g, in fp32.
 //   pass two  (kMode 2): each group walks again from its true start, with outputs.
 // kMode 0 is the single walk. Workspace (fp32, planes of D*D per (group, n*H+h)):
@@ -23,15 +23,16 @@
 
 namespace kdagen {
 
-template <class Cfg>
+// kOutputs: the tiles of o (qg, aqk) are staged too; pass one walks without them.
+template <class Cfg, bool kOutputs = true>
 struct ChunkLayout {
   static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, BV = Cfg::kBlockV;
   static constexpr int LDW = D + Cfg::kPad16;   // w, qg tiles [C][LDW]
   static constexpr int LDC = C + Cfg::kPad16;   // kg_t [D][LDC], aqk [C][LDC]
   static constexpr int LDU = BV + Cfg::kPad16;  // u in, o out [C][LDU] (kStageUO)
   static constexpr int kStages = Cfg::kChunkStages;  // 2: the next chunk loads during this one
-  static constexpr int kElems =
-      2 * C * LDW + D * LDC + C * LDC + (Cfg::kStageUO ? C * LDU : 0);
+  static constexpr int kElems = (kOutputs ? 2 : 1) * C * LDW + D * LDC + (kOutputs ? C * LDC : 0) +
+                                (Cfg::kStageUO ? C * LDU : 0);
   static constexpr int kStageBytes = kElems * 2 + D * 4;
   static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kThreads = (BV / 16) * kWaveSize;
@@ -89,32 +90,41 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
   return nullptr;
 }
 
+// Pass one keeps only the state and v_new live (no o), so it can run kPassOneBlocks
+// blocks per SM where shared memory allows (Config).
 template <class Cfg, int kMode>
-__global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(ChunkArgs a) {
+__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
+                                     kMode == kWalkPassOne ? Cfg::kPassOneBlocks : 1)
+    chunk_kernel(ChunkArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
-  using Lay = ChunkLayout<Cfg>;
+  constexpr bool kOutputs = kMode != kWalkPassOne;
+  using Lay = ChunkLayout<Cfg, kOutputs>;
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
   constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
   static_assert(sizeof(T) == 2, "the chunk scan takes 16-bit operands");
 
   KDAGEN_DYNAMIC_SHARED(smem);
-  // One stage: w | qg | kg_t | aqk | [u, then o] | decay. Stage b of chunk c is b = c % kStages.
+  // One stage: w | [qg] | kg_t | [aqk] | [u, then o] | decay (qg, aqk with outputs).
+  // Stage b of chunk c is b = c % kStages.
   struct Stage { uint16_t *Ws, *Qs, *KGs, *As, *Us; float* Ds; };
   auto stage_at = [&](int b) {
     Stage st;
     st.Ws = reinterpret_cast<uint16_t*>(smem + b * Lay::kStageBytes);
-    st.Qs = st.Ws + C * LDW;
-    st.KGs = st.Qs + C * LDW;
-    st.As = st.KGs + D * LDC;
-    st.Us = st.As + C * LDC;
+    st.Qs = st.Ws + C * LDW;  // with outputs only
+    st.KGs = st.Ws + (kOutputs ? 2 : 1) * C * LDW;
+    st.As = st.KGs + D * LDC;  // with outputs only
+    st.Us = st.As + (kOutputs ? C * LDC : 0);
     st.Ds = reinterpret_cast<float*>(st.Us + (Cfg::kStageUO ? C * Lay::LDU : 0));
     return st;
   };
 
   const int H = a.num_heads, h = blockIdx.y;
+  // Pass one runs groups 0 .. G - 2 only: the last group's end state and transfer are
+  // never used (the scan needs them for the groups after it).
   const int G = kMode == kWalkSingle ? 1 : a.num_groups;
-  const int n = blockIdx.z / G, g = blockIdx.z % G;
+  const int GZ = kMode == kWalkPassOne ? G - 1 : G;  // groups in the grid's z
+  const int n = blockIdx.z / GZ, g = blockIdx.z % GZ;
   const int wave = wave_id();
   const int row0 = blockIdx.x * BV + 16 * wave;  // this wave's first row (of V, or V + K in pass one)
   const bool transfer = kMode == kWalkPassOne && blockIdx.x * BV >= D;

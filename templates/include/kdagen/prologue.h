@@ -435,6 +435,16 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   // (I + L)^-1 in place of L (fp32, unit lower triangular, by 16-row blocks): the
   // diagonal blocks' inverses by forward substitution, then block row by block row
   //   Ainv_ij = -Inv_ii * sum_{k=j}^{i-1} L_ik Ainv_kj.
+  // A thread owns entry (r, c) of a block; the 16 entries of its row of L_ik (the same
+  // for the 16 threads of that row: broadcast) are read as four 16-byte pieces.
+  auto row16 = [&](int row, int col0, float (&x)[16]) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 v = *reinterpret_cast<const float4*>(Ls + row * LDL + col0 + 4 * q);
+      x[4 * q] = v.x, x[4 * q + 1] = v.y, x[4 * q + 2] = v.z, x[4 * q + 3] = v.w;
+    }
+  };
+  static_assert(LDL % 4 == 0, "L rows must keep 16-byte pieces aligned");
   auto invert_unit_lower = [&]() {
     {
       float x[16];
@@ -442,9 +452,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       if (tid < NB * 16) {
 #pragma unroll
         for (int r = 0; r < 16; ++r) {
+          float l[16];
+          row16(16 * b + r, 16 * b, l);
           float v = r == c ? 1.0f : 0.0f;
 #pragma unroll
-          for (int j = 0; j < r; ++j) v -= Ls[(16 * b + r) * LDL + 16 * b + j] * x[j];
+          for (int j = 0; j < r; ++j) v -= l[j] * x[j];
           x[r] = v;
         }
       }
@@ -463,13 +475,16 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       for (int i = 1; i < NB; ++i) {
         float t[NB];
 #pragma unroll
-        for (int j = 0; j < NB; ++j) {
-          t[j] = 0.0f;
-          if (act && j < i) {
-            for (int k = j; k < i; ++k) {
+        for (int j = 0; j < NB; ++j) t[j] = 0.0f;
+        if (act) {
 #pragma unroll
-              for (int m = 0; m < 16; ++m)
-                t[j] += Ls[(16 * i + r) * LDL + 16 * k + m] * Ls[(16 * k + m) * LDL + 16 * j + c];
+          for (int k = 0; k < i; ++k) {  // T_ij = sum_{k >= j} L_ik Ainv_kj, j <= k < i
+            float l[16];
+            row16(16 * i + r, 16 * k, l);
+#pragma unroll
+            for (int j = 0; j <= k; ++j) {
+#pragma unroll
+              for (int m = 0; m < 16; ++m) t[j] += l[m] * Ls[(16 * k + m) * LDL + 16 * j + c];
             }
           }
         }
@@ -478,14 +493,17 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
         for (int j = 0; j < NB; ++j)
           if (act && j < i) Ls[(16 * i + r) * LDL + 16 * j + c] = t[j];
         __syncthreads();
+        if (act) {
+          float inv[16];  // row r of Inv_ii
+          row16(16 * i + r, 16 * i, inv);
 #pragma unroll
-        for (int j = 0; j < NB; ++j) {
-          if (act && j < i) {
-            float v = 0.0f;
+          for (int j = 0; j < NB; ++j) {
+            if (j < i) {
+              float v = 0.0f;
 #pragma unroll
-            for (int m = 0; m < 16; ++m)
-              v -= Ls[(16 * i + r) * LDL + 16 * i + m] * Ls[(16 * i + m) * LDL + 16 * j + c];
-            t[j] = v;
+              for (int m = 0; m < 16; ++m) v -= inv[m] * Ls[(16 * i + m) * LDL + 16 * j + c];
+              t[j] = v;
+            }
           }
         }
         __syncthreads();
@@ -602,6 +620,21 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     }
     __syncthreads();
 
+    // v's rows, loaded now so that they land during the products (used in P6)
+    constexpr int VPER_ROW = D / 8, VITERS = C * VPER_ROW / NT;
+    static_assert(C * VPER_ROW % NT == 0, "the chunk's 16-byte pieces spread evenly");
+    const T* vbase = chunk_rows(a.v);
+    const bool vplain = plain_band(a.v, vbase);
+    uint4 vb[VITERS];
+    if (vplain) {
+#pragma unroll
+      for (int m = 0; m < VITERS; ++m) {
+        const int e = tid + m * NT, i = e / VPER_ROW, c = (e % VPER_ROW) * 8;
+        vb[m] = make_uint4(0, 0, 0, 0);
+        if (i < valid) vb[m] = *reinterpret_cast<const uint4*>(vbase + static_cast<int64_t>(i) * a.v.token + c);
+      }
+    }
+
     // ---- P5: L and aqk block pairs on the matrix units (G is dead: L takes its place) ---
     uint16_t* Ab = reinterpret_cast<uint16_t*>(Ls + C * LDL);  // aqk staging, then (I + L)^-1 b
     {
@@ -648,20 +681,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
 
     // ---- P6: b v into the q plane (bf16); aqk out (16-byte stores); (I + L)^-1 ---------
     {
-      constexpr int VEC = 8, PER_ROW = D / VEC, PIECES = C * PER_ROW, ITERS = PIECES / NT;
-      static_assert(PIECES % NT == 0, "the chunk's 16-byte pieces spread evenly");
+      constexpr int VEC = 8, PER_ROW = VPER_ROW, ITERS = VITERS;
       uint16_t* Vm = reinterpret_cast<uint16_t*>(Qs);
-      const T* base = chunk_rows(a.v);
-      const bool plain = plain_band(a.v, base);
-      uint4 vb[ITERS];
-      if (plain) {  // every load in flight before the aqk stores
-#pragma unroll
-        for (int m = 0; m < ITERS; ++m) {
-          const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
-          vb[m] = make_uint4(0, 0, 0, 0);
-          if (i < valid) vb[m] = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(i) * a.v.token + c);
-        }
-      }
       {
         constexpr int AV = 8;
         for (int e = tid; e < valid * (C / AV); e += NT) {
@@ -675,7 +696,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       for (int m = 0; m < ITERS; ++m) {
         const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
         float v8[VEC];
-        if (plain) {
+        if (vplain) {
           unpack8<Io>(vb[m], v8);
         } else {
 #pragma unroll
