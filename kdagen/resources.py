@@ -21,7 +21,7 @@ PROLOGUE_THREADS = 256
 RECURRENT_ROWS_PER_BLOCK = 16
 RECURRENT_WAVES = 4
 SCAN_THREADS = 256
-SCAN_ROWS = 16
+SCAN_ROWS = 8  # rows of the group scan per block: 16 blocks per (sequence, head) at D = 128
 # Most fp32 state values one lane may hold across the chunk walk.
 MAX_STATE_REGS_PER_LANE = 64
 MAX_THREADS_PER_BLOCK = 1024

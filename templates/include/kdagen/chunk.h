@@ -328,7 +328,8 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
     const float* B = group_plane<Cfg>(a, 0, g, nh);
 #pragma unroll
     for (int m = 0; m < RPT; ++m) acc[m] = B[static_cast<int64_t>(v0 + rsub + m * (NT / D)) * D + k];
-    for (int kp = 0; kp < D; ++kp) {
+#pragma unroll 8
+    for (int kp = 0; kp < D; ++kp) {  // (unrolled: eight rows of R in flight)
       const float rv = R[static_cast<int64_t>(kp) * D + k];
 #pragma unroll
       for (int m = 0; m < RPT; ++m) acc[m] += Sx[rsub + m * (NT / D)][kp] * rv;
