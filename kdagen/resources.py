@@ -93,31 +93,17 @@ class ChunkPlan:
 
     stages: int  # 2: the next chunk's tiles load (asynchronously) during this one
     stage_uo: bool  # u read and o written through LDS (16-byte accesses) instead of per element
-    pass_one_blocks: int = 1  # pass one's blocks per SM, asked of the compiler's register budget
-
-
-# Shared memory the hardware keeps per resident block on NVIDIA GPUs (sm_80 and later).
-NVIDIA_BLOCK_RESERVED_SMEM = 1024
 
 
 def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
-               shared_mem: int, async_copy: bool, vendor: str = "amd") -> ChunkPlan:
+               shared_mem: int, async_copy: bool) -> ChunkPlan:
     """The richest buffering that fits: double-buffered with staged u / o where the
-    target has asynchronous copies, else one stage, with u / o staged if they fit. On
-    NVIDIA, pass one (no output tiles) asks for two blocks per SM when two fit in its
-    shared memory (``shared_mem`` is the per-block limit, one reserved KB short of the
-    SM's); on CDNA a workgroup's 64 KB leave room for one."""
+    target has asynchronous copies, else one stage, with u / o staged if they fit."""
     fits = lambda st, uo: chunk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
                                           st, uo).shared_mem <= shared_mem
     if async_copy and fits(2, True):
-        stages, uo = 2, True
-    else:
-        stages, uo = 1, fits(1, True)
-    one = chunk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages, uo,
-                          outputs=False).shared_mem
-    r = NVIDIA_BLOCK_RESERVED_SMEM
-    blocks = 2 if vendor == "nvidia" and 2 * (one + r) <= shared_mem + r else 1
-    return ChunkPlan(stages, uo, blocks)
+        return ChunkPlan(2, True)
+    return ChunkPlan(1, fits(1, True))
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

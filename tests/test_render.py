@@ -141,7 +141,6 @@ def test_default_constexprs():
         "kPrologueBytes": str(resources.prologue_shared_mem(128, 64, "bf16", 232448)),
         "kChunkStages": "2",  # cp.async double buffering
         "kStageUO": "true",
-        "kPassOneBlocks": "2",  # pass one (no output tiles, 107.5 KB) fits twice per SM
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -153,15 +152,15 @@ def test_default_constexprs():
     assert "static constexpr int kHeadDim = 128;" in kernels({})
 
 
-@pytest.mark.parametrize("target, stages, uo, one", [
-    ("sm_90", "2", "true", "2"),  # asynchronous copies, 227 KB: double-buffered, u / o staged
-    ("gfx90a", "1", "false", "1"),  # 64 KB: one stage, no room for the u / o tile
-    ("gfx942", "1", "false", "1"),
-    ("gfx950", "1", "true", "1"),  # 160 KB but no 16-byte async copies: one stage, u / o staged
+@pytest.mark.parametrize("target, stages, uo", [
+    ("sm_90", "2", "true"),  # asynchronous copies, 227 KB: double-buffered, u / o staged
+    ("gfx90a", "1", "false"),  # 64 KB: one stage, no room for the u / o tile
+    ("gfx942", "1", "false"),
+    ("gfx950", "1", "true"),  # 160 KB but no 16-byte async copies: one stage, u / o staged
 ])
-def test_chunk_buffering_per_target(target, stages, uo, one):
+def test_chunk_buffering_per_target(target, stages, uo):
     c = constexprs(kernels({"target": target}))
-    assert (c["kChunkStages"], c["kStageUO"], c["kPassOneBlocks"]) == (stages, uo, one)
+    assert (c["kChunkStages"], c["kStageUO"]) == (stages, uo)
     fp = resources.chunk_footprint(128, 64, 128, "bf16", 64 if target.startswith("gfx") else 32,
                                    int(stages), uo == "true")
     from kdagen.targets import get_target
@@ -356,13 +355,9 @@ def test_check_generated_on_a_missing_root(tmp_path):
     assert len(stale) == n
 
 
-def test_pass_one_blocks_follow_the_shared_memory():
-    """Two pass-one blocks per SM only where two of its (output-free) footprints fit."""
+
+def test_pass_one_stages_no_output_tiles():
+    """Pass one (no o) stages w, kg_t, u and decay only: the qg and aqk tiles are left out."""
     one = resources.chunk_footprint(128, 64, 128, "bf16", 32, 2, True, outputs=False).shared_mem
     full = resources.chunk_footprint(128, 64, 128, "bf16", 32, 2, True).shared_mem
-    assert one < full and one == full - 2 * (64 * 136 + 64 * 72) * 2
-    plan = lambda smem: resources.chunk_plan(128, 64, 128, "bf16", 32, smem, True, "nvidia")
-    assert plan(232448).pass_one_blocks == 2
-    assert plan(2 * (one + 1024) - 1024).pass_one_blocks == 2
-    assert plan(2 * (one + 1024) - 1025).pass_one_blocks == 1
-    assert resources.chunk_plan(128, 64, 128, "bf16", 64, 232448, True, "amd").pass_one_blocks == 1
+    assert full - one == 2 * (64 * 136 + 64 * 72) * 2

@@ -90,12 +90,8 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
   return nullptr;
 }
 
-// Pass one keeps only the state and v_new live (no o), so it can run kPassOneBlocks
-// blocks per SM where shared memory allows (Config).
 template <class Cfg, int kMode>
-__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
-                                     kMode == kWalkPassOne ? Cfg::kPassOneBlocks : 1)
-    chunk_kernel(ChunkArgs a) {
+__global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(ChunkArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   constexpr bool kOutputs = kMode != kWalkPassOne;
