@@ -89,3 +89,27 @@ def test_bounded_and_no_stale_identity(fresh):
         seqlens.checked("op", torch.tensor([0, 64], dtype=torch.int32), 64, None, 64)
     assert len(seqlens._entries) <= seqlens.CACHE_ENTRIES
     assert len(fresh) == 3 * seqlens.CACHE_ENTRIES  # a dead tensor's id never hits
+
+
+def test_ops_read_cu_seqlens_once_per_tensor(fresh):
+    """Prologue then chunk scan on one cu_seqlens (kernels stubbed, CPU tensors): one host
+    read, and the kernels get the cached int32 offsets and chunk indices."""
+    from kdagen.ops import Kernels
+    from kdagen.spec import KernelSpec
+    from kdagen.testing import make_inputs
+
+    seen = {}
+    stub = {"prologue": lambda *a: seen.setdefault("prologue", a),
+            "chunk": lambda *a: seen.setdefault("chunk", a)}
+    kern = Kernels(KernelSpec.parse({"target": "sm_90"}), stub, device_type="cpu")
+    x = make_inputs([100, 0, 64, 3], 2, 128, device="cpu", seed=3)
+    for _ in range(3):
+        p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+        kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], p["u"], None,
+                             x.cu_seqlens, None, True, groups=1)
+    assert len(fresh) == 1
+    cu32, ci = seen["prologue"][13], seen["prologue"][14]
+    assert cu32.dtype == torch.int32 and torch.equal(cu32, x.cu_seqlens.to(torch.int32))
+    assert torch.equal(ci, prepare_chunk_indices(x.cu_seqlens, 64))
+    assert torch.equal(seen["chunk"][8], prepare_chunk_offsets(x.cu_seqlens, 64))
+    assert p["kg_t"].shape[0] == 2 + 0 + 1 + 1
