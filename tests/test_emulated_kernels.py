@@ -54,13 +54,15 @@ def lens_for(C: int) -> list[int]:
 
 # (spec fields, torch dtype): the kernel paths each target takes
 #   sm_90: double-buffered cp.async chunk scan, u / o through LDS, matrix-unit solve
-#   gfx90a/gfx942: one stage, per-element u / o, per-column solve (c64) or matrix-unit solve (c32)
+#   gfx90a/gfx942: one stage, per-element u / o; c64: element-built operands and the
+#   matrix-unit solve with v staged into the k plane (no q plane); c32: the planar path
 PREFILL = [
     (dict(head_dim=128, chunk_size=64, target="sm_90"), torch.bfloat16),
     (dict(head_dim=128, chunk_size=64, gate="lower_bound", target="sm_90"), torch.bfloat16),
     (dict(head_dim=64, chunk_size=64, io_dtype="fp16", target="sm_90"), torch.float16),
     (dict(head_dim=64, chunk_size=32, block_width=16, io_dtype="fp16", target="sm_90"), torch.float16),
     (dict(head_dim=128, chunk_size=64, gate="lower_bound", target="gfx90a"), torch.bfloat16),
+    (dict(head_dim=128, chunk_size=64, target="gfx942"), torch.bfloat16),
     (dict(head_dim=64, chunk_size=32, block_width=32, target="gfx942"), torch.bfloat16),
     (dict(head_dim=128, chunk_size=64, block_width=64, target="gfx950"), torch.bfloat16),
 ]
@@ -167,9 +169,9 @@ def test_paged_cache_and_checkpoints(target):
 
 
 @needs_clang
-@pytest.mark.parametrize("target", ["sm_90", "gfx90a"])
-def test_fused_conv(target):
-    W, D, H, C = 4, 64, 2, 32
+@pytest.mark.parametrize("target,D,C", [("sm_90", 64, 32), ("gfx90a", 64, 32), ("gfx942", 128, 64)])
+def test_fused_conv(target, D, C):
+    W, H = 4, 2
     kern = emulated(head_dim=D, chunk_size=C, conv_width=W, target=target)
     x = make_inputs([1, 2, C - 1, C + 5], H, D, device="cpu", seed=41)
     gen = torch.Generator().manual_seed(5)

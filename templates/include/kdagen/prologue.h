@@ -30,9 +30,9 @@
 // (ldmatrix-transposed operands), staged through LDS for 16-byte stores like aqk.
 //
 // Elsewhere (64 KB CDNA LDS): fragments built element by element from the k / G planes;
-// the solve for w and u (kMmaSolve: where the q plane exists and the G plane holds the
-// bf16 inverse beside L; smaller chunks) on the matrix units, else forward substitution in
-// fp32, one thread per column.
+// the solve for w and u (kMmaSolve: where the G plane holds the bf16 inverse beside L) on
+// the matrix units, b v taken from the q plane, or without one staged into the k plane
+// once the w products are done; else forward substitution in fp32, one thread per column.
 //
 // Loads: every global read of the chunk (k, q, the raw gate, beta) is issued in phase 1
 // as 16-byte loads; the cumulative gate is a column scan in LDS.
@@ -64,8 +64,9 @@ struct PrologueLayout {
   static constexpr int kBytes =
       C * LDG * 4 + kPlanes * C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + kVecBytes;
   // The solve runs on the matrix units when the G plane also holds (I + L)^-1 in bf16
-  // and the (then dead) q plane can take v; otherwise a forward substitution per column.
-  static constexpr bool kMmaSolve = Cfg::kStageQ && C * LDL * 4 + C * LDA * 2 <= C * LDG * 4;
+  // (v then goes to the dead q plane, or without one to the k plane after the w
+  // products); otherwise a forward substitution per column.
+  static constexpr bool kMmaSolve = C * LDL * 4 + C * LDA * 2 <= C * LDG * 4;
   static_assert(C * LDL <= C * LDG, "the L plane must fit in the G plane");
   static_assert(LDL % 4 == 0, "L rows are read as float4");
   static_assert(!kPlanar || (kMmaSolve && NB <= Cfg::kPrologueThreads / kWaveSize),
@@ -841,7 +842,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   __syncthreads();
 
   // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w (and v into the q plane) --
-  if constexpr (Lay::kMmaSolve) stage(Qs, 2, Sync{});
+  if constexpr (Lay::kMmaSolve && Cfg::kStageQ) stage(Qs, 2, Sync{});
   for (int e = tid; e < C * (D / 8); e += NT) {  // 8 elements: 16-byte k, two float4 of G
     const int i = e / (D / 8), d = (e % (D / 8)) * 8;
     float k8[8];
@@ -893,13 +894,15 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     }
     __syncthreads();
     // 2 x (C / 16) x (D / 16) output tiles over the waves: w from the k plane, u from
-    // b * v in the q plane; block row bi takes the k-blocks kb <= bi.
-    constexpr int TILES = 2 * NB * (D / 16);
-    for (int tile = wave; tile < TILES; tile += NW) {
-      const bool is_w = tile < NB * (D / 16);
-      const int tt = is_w ? tile : tile - NB * (D / 16);
+    // b * v in the q plane; block row bi takes the k-blocks kb <= bi. Without a q plane
+    // the w tiles go first, then v replaces k in the k plane for the u tiles.
+    constexpr int WTILES = NB * (D / 16), TILES = 2 * WTILES;
+    auto solve_tiles = [&](int first, int last_tile) {
+    for (int tile = first + wave; tile < last_tile; tile += NW) {
+      const bool is_w = tile < WTILES;
+      const int tt = is_w ? tile : tile - WTILES;
       const int bi = tt / (D / 16), dt = tt % (D / 16);
-      const T* rhs = is_w ? Ks : Qs;
+      const T* rhs = is_w || !Cfg::kStageQ ? Ks : Qs;
       mma::Acc acc;
       mma::zero(acc);
       for (int kb = 0; kb <= bi; ++kb) {
@@ -916,6 +919,16 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
         const int i = 16 * bi + r;
         if (i < valid) dst[i * row_hd + c] = from_float<Io>(x);
       });
+    }
+    };
+    if constexpr (Cfg::kStageQ) {
+      solve_tiles(0, TILES);
+    } else {
+      solve_tiles(0, WTILES);
+      __syncthreads();  // every w product has read the k plane
+      stage(Ks, 2, Sync{});
+      __syncthreads();
+      solve_tiles(WTILES, TILES);
     }
   } else {
   // ---- phase 6 (otherwise): forward substitution, one thread per output column ----------
