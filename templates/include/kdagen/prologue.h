@@ -30,9 +30,10 @@
 // (ldmatrix-transposed operands), staged through LDS for 16-byte stores like aqk.
 //
 // Elsewhere (64 KB CDNA LDS): fragments built element by element from the k / G planes;
-// the solve for w and u (kMmaSolve: where the G plane holds the bf16 inverse beside L) on
-// the matrix units, b v taken from the q plane, or without one staged into the k plane
-// once the w products are done; else forward substitution in fp32, one thread per column.
+// the solve for w and u (kMmaSolve: where the G plane holds the bf16 inverse beside L, or
+// the q plane takes it) on the matrix units, b v taken from the q plane, or staged into
+// the k plane once the w products are done; else forward substitution in fp32, one
+// thread per column.
 //
 // Loads: every global read of the chunk (k, q, the raw gate, beta) is issued in phase 1
 // as 16-byte loads; the cumulative gate is a column scan in LDS.
@@ -63,13 +64,18 @@ struct PrologueLayout {
   static constexpr int kVecBytes = 3 * C * 4 + (kPlanar ? NB * D * 4 + kScales * D * 4 + 16 : 0);
   static constexpr int kBytes =
       C * LDG * 4 + kPlanes * C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + kVecBytes;
-  // The solve runs on the matrix units when the G plane also holds (I + L)^-1 in bf16
-  // (v then goes to the dead q plane, or without one to the k plane after the w
-  // products); otherwise a forward substitution per column.
-  static constexpr bool kMmaSolve = C * LDL * 4 + C * LDA * 2 <= C * LDG * 4;
+  // The solve runs on the matrix units when (I + L)^-1 in bf16 has a place: beside L in
+  // the G plane, else in the (dead) q plane. b v goes to the q plane when that is free,
+  // else to the k plane once the w products are done. Otherwise a forward substitution
+  // per column.
+  static constexpr bool kInverseInG = C * LDL * 4 + C * LDA * 2 <= C * LDG * 4;
+  static constexpr bool kInverseInQ =
+      !kInverseInG && Cfg::kStageQ && C * LDA * 2 <= C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>));
+  static constexpr bool kMmaSolve = kInverseInG || kInverseInQ;
+  static constexpr bool kVInQ = Cfg::kStageQ && kInverseInG;  // else v into the k plane
   static_assert(C * LDL <= C * LDG, "the L plane must fit in the G plane");
   static_assert(LDL % 4 == 0, "L rows are read as float4");
-  static_assert(!kPlanar || (kMmaSolve && NB <= Cfg::kPrologueThreads / kWaveSize),
+  static_assert(!kPlanar || (kInverseInG && NB <= Cfg::kPrologueThreads / kWaveSize),
                 "the planar path solves on the matrix units, one wave per diagonal block check");
   static_assert(kBytes == Cfg::kPrologueBytes, "the LDS plan differs from kdagen/resources.py");
 };
@@ -842,7 +848,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   __syncthreads();
 
   // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w (and v into the q plane) --
-  if constexpr (Lay::kMmaSolve && Cfg::kStageQ) stage(Qs, 2, Sync{});
+  if constexpr (Lay::kMmaSolve && Lay::kVInQ) stage(Qs, 2, Sync{});
   for (int e = tid; e < C * (D / 8); e += NT) {  // 8 elements: 16-byte k, two float4 of G
     const int i = e / (D / 8), d = (e % (D / 8)) * 8;
     float k8[8];
@@ -886,7 +892,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     // inverses by forward substitution, then block row by block row
     //   Ainv_ij = -Inv_ii * sum_{k=j}^{i-1} L_ik Ainv_kj,
     // then rounded to bf16 for the two products with the right-hand sides.
-    uint16_t* Ab = reinterpret_cast<uint16_t*>(Ls + C * Lay::LDL);
+    uint16_t* Ab = Lay::kInverseInG ? reinterpret_cast<uint16_t*>(Ls + C * Lay::LDL)
+                                     : reinterpret_cast<uint16_t*>(Qs);  // q is dead
     invert_unit_lower();
     for (int e = tid; e < C * C; e += NT) {  // bf16 copy, zero above the diagonal blocks
       const int i = e / C, j = e % C;
@@ -894,15 +901,15 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     }
     __syncthreads();
     // 2 x (C / 16) x (D / 16) output tiles over the waves: w from the k plane, u from
-    // b * v in the q plane; block row bi takes the k-blocks kb <= bi. Without a q plane
-    // the w tiles go first, then v replaces k in the k plane for the u tiles.
+    // b * v in the q plane; block row bi takes the k-blocks kb <= bi. Where the q plane
+    // is not free for v, the w tiles go first, then v replaces k in the k plane.
     constexpr int WTILES = NB * (D / 16), TILES = 2 * WTILES;
     auto solve_tiles = [&](int first, int last_tile) {
     for (int tile = first + wave; tile < last_tile; tile += NW) {
       const bool is_w = tile < WTILES;
       const int tt = is_w ? tile : tile - WTILES;
       const int bi = tt / (D / 16), dt = tt % (D / 16);
-      const T* rhs = is_w || !Cfg::kStageQ ? Ks : Qs;
+      const T* rhs = is_w || !Lay::kVInQ ? Ks : Qs;
       mma::Acc acc;
       mma::zero(acc);
       for (int kb = 0; kb <= bi; ++kb) {
@@ -921,7 +928,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       });
     }
     };
-    if constexpr (Cfg::kStageQ) {
+    if constexpr (Lay::kVInQ) {
       solve_tiles(0, TILES);
     } else {
       solve_tiles(0, WTILES);
