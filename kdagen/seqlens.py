@@ -8,7 +8,9 @@ version counter (which every in-place torch op bumps), like FLA's ``tensor_cache
 second and later calls on one tensor read nothing back and launch nothing.
 
 Not cached: while tracing or capturing a CUDA graph (values cannot be read then, and a
-graph must derive its indices from the tensor it replays with), with
+graph must derive its indices from the tensor it replays with), a tensor made under
+``torch.inference_mode`` (it has no version counter, so an in-place change would go
+unseen: make ``cu_seqlens`` outside it to keep the cache), with
 ``KDAGEN_CHECK_VALUES=0``, or with ``KDAGEN_SEQLEN_CACHE=0``. A caller that rewrites a
 ``cu_seqlens`` buffer outside torch (its own kernel, DLPack) must set the latter.
 """
@@ -58,11 +60,10 @@ def checked(op: str, cu_seqlens: object, total_tokens: int, device: torch.device
     version) was checked before. Uncached (see the module text) it is checked as far as
     values can be read, and carries no host-side chunk count or indices."""
     if not caching():
-        t = ck.cu_seqlens(op, cu_seqlens, total_tokens, device)
-        cu32 = t.to(torch.int32).contiguous()
-        return SeqLens(cu32=cu32, total_tokens=total_tokens, chunk_size=chunk_size,
-                       chunk_offsets=prepare_chunk_offsets(cu32, chunk_size))
+        return _uncached(op, cu_seqlens, total_tokens, device, chunk_size)
     t = ck.tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=ck.INDEX_DTYPES, device=device)
+    if t.is_inference():  # no version counter: an in-place change could not be seen
+        return _uncached(op, t, total_tokens, device, chunk_size)
     key = (id(t), t._version, t.data_ptr(), t.dtype, chunk_size)
     hit = _entries.get(key)
     if hit is not None and hit[0]() is t:
@@ -81,6 +82,14 @@ def checked(op: str, cu_seqlens: object, total_tokens: int, device: torch.device
     while len(_entries) > CACHE_ENTRIES:
         _entries.popitem(last=False)
     return info
+
+
+def _uncached(op: str, cu_seqlens: object, total_tokens: int, device: torch.device | None,
+              chunk_size: int) -> SeqLens:
+    t = ck.cu_seqlens(op, cu_seqlens, total_tokens, device)
+    cu32 = t.to(torch.int32).contiguous()
+    return SeqLens(cu32=cu32, total_tokens=total_tokens, chunk_size=chunk_size,
+                   chunk_offsets=prepare_chunk_offsets(cu32, chunk_size))
 
 
 def clear() -> None:

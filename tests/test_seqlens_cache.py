@@ -113,3 +113,40 @@ def test_ops_read_cu_seqlens_once_per_tensor(fresh):
     assert torch.equal(ci, prepare_chunk_indices(x.cu_seqlens, 64))
     assert torch.equal(seen["chunk"][8], prepare_chunk_offsets(x.cu_seqlens, 64))
     assert p["kg_t"].shape[0] == 2 + 0 + 1 + 1
+
+
+def test_inference_tensors_are_checked_every_call(fresh):
+    """An inference-mode tensor has no version counter: it works, but is never cached."""
+    with torch.inference_mode():
+        cu = torch.tensor([0, 64, 100], dtype=torch.int32)
+        a = seqlens.checked("op", cu, 100, None, 64)
+        b = seqlens.checked("op", cu, 100, None, 64)
+        assert torch.equal(b.chunk_offsets, prepare_chunk_offsets(cu, 64))
+        cu[1] = 200
+        with pytest.raises(ValueError, match="non-decreasing"):
+            seqlens.checked("op", cu, 100, None, 64)
+    assert a.chunk_indices is None and len(seqlens._entries) == 0
+
+
+def test_normal_tensor_used_inside_inference_mode_is_cached(fresh):
+    cu = torch.tensor([0, 64, 100], dtype=torch.int32)
+    with torch.inference_mode():
+        seqlens.checked("op", cu, 100, None, 64)
+        seqlens.checked("op", cu, 100, None, 64)
+    assert len(fresh) == 1
+
+
+def test_ops_under_inference_mode():
+    """A serving engine's forward: everything made and run under inference_mode."""
+    from kdagen.ops import Kernels
+    from kdagen.spec import KernelSpec
+    from kdagen.testing import make_inputs
+
+    stub = {"prologue": lambda *a: None, "chunk": lambda *a: None}
+    kern = Kernels(KernelSpec.parse({"target": "sm_90"}), stub, device_type="cpu")
+    with torch.inference_mode():
+        x = make_inputs([70, 5], 2, 128, device="cpu", seed=2)
+        p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+        kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], p["u"], None,
+                             x.cu_seqlens, None, True, groups=1)
+    assert p["kg_t"].shape[0] == 3
