@@ -26,6 +26,8 @@ _LAZY = {
     "Kernels": ("kdagen.ops", "Kernels"),
     "kda_forward": ("kdagen.layer", "kda_forward"),
     "chunk_groups": ("kdagen.groups", "chunk_groups"),
+    "prepare_seqlens": ("kdagen.seqlens", "prepare"),
+    "SeqLens": ("kdagen.seqlens", "SeqLens"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -7,6 +7,7 @@ import torch
 
 from . import autotune
 from .jit import for_inputs
+from .seqlens import SeqLens
 
 
 def kda_forward(
@@ -23,7 +24,7 @@ def kda_forward(
     use_beta_sigmoid_in_kernel: bool = True,
     lower_bound: float | None = None,
     state_v_first: bool = True,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | SeqLens | None = None,
     *,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
@@ -34,7 +35,8 @@ def kda_forward(
     """Raw q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g ``[B, T, H, K]`` (before the
     gate), beta ``[B, T, H]`` (before the sigmoid) -> ``(o [B, T, H, V], final_state)``.
 
-    As in ``chunk_kda``: ``cu_seqlens`` needs B == 1. ``initial_state`` and the final
+    As in ``chunk_kda``: ``cu_seqlens`` needs B == 1 (a ``kdagen.prepare_seqlens`` result
+    works too, and then nothing is read back to the host). ``initial_state`` and the final
     state are fp32 ``[N, H, V, K]`` (vLLM's layout, ``state_v_first=True``, the default
     here); kdagen's kernels keep the state V-first, so ``state_v_first=False`` (FLA's
     default ``[N, H, K, V]``) is an error rather than a silent transpose. The l2 norms,
@@ -63,7 +65,7 @@ def kda_forward(
         if B > 1:
             q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
             beta = beta.reshape(1, B * T, beta.shape[-1])
-    N = cu_seqlens.numel() - 1
+    N = cu_seqlens.num_seqs if isinstance(cu_seqlens, SeqLens) else cu_seqlens.numel() - 1
     if initial_state is not None:
         if initial_state.dim() != 4 or initial_state.shape[:2] != (N, H):
             raise ValueError(f"kda_forward: argument 'initial_state' must be [{N}, {H}, *, *], got "

@@ -13,6 +13,9 @@ graph must derive its indices from the tensor it replays with), a tensor made un
 unseen: make ``cu_seqlens`` outside it to keep the cache), with
 ``KDAGEN_CHECK_VALUES=0``, or with ``KDAGEN_SEQLEN_CACHE=0``. A caller that rewrites a
 ``cu_seqlens`` buffer outside torch (its own kernel, DLPack) must set the latter.
+
+``prepare`` (``kdagen.prepare_seqlens``) does the check once, explicitly: its result
+passes as ``cu_seqlens`` to the ops.
 """
 
 from __future__ import annotations
@@ -54,11 +57,57 @@ def caching() -> bool:
     return ck.values_checkable() and os.environ.get("KDAGEN_SEQLEN_CACHE", "1") != "0"
 
 
+def prepare(cu_seqlens: torch.Tensor, chunk_size: int) -> SeqLens:
+    """Check ``cu_seqlens`` now (one host read) and keep its chunk bookkeeping. Pass the
+    result as ``cu_seqlens`` to the ops, for any number of layers: they read nothing back
+    and launch nothing for it. For engines whose ``cu_seqlens`` is made under
+    ``torch.inference_mode`` (never cached). Not for CUDA-graph capture, where the
+    indices must come from the tensor the graph replays with."""
+    op = "prepare_seqlens"
+    t = ck.tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=ck.INDEX_DTYPES)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ck.ArgumentError(f"{op}: argument 'chunk_size' must be a positive int, got {chunk_size!r}")
+    if t.numel() < 2:
+        raise ck.ArgumentError(f"{op}: argument 'cu_seqlens' must hold at least 2 offsets (N + 1), "
+                               f"got {t.numel()}")
+    vals = t.tolist()
+    ck.cu_values(op, vals, vals[-1])
+    return _derived(t, vals, chunk_size)
+
+
+def _derived(t: torch.Tensor, vals: list[int], chunk_size: int) -> SeqLens:
+    counts = [(b - a + chunk_size - 1) // chunk_size for a, b in zip(vals, vals[1:])]
+    cu32 = t.to(torch.int32).contiguous()
+    return SeqLens(cu32=cu32, total_tokens=vals[-1], chunk_size=chunk_size,
+                   chunk_offsets=prepare_chunk_offsets(cu32, chunk_size), num_chunks=sum(counts),
+                   chunk_indices=prepare_chunk_indices(cu32, chunk_size, num_chunks=sum(counts)))
+
+
+def _given(op: str, sl: SeqLens, total_tokens: int, device: torch.device | None,
+           chunk_size: int) -> SeqLens:
+    """A prepared SeqLens passed as cu_seqlens: checked against this call."""
+    if ck.tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        raise ck.ArgumentError(f"{op}: argument 'cu_seqlens' is a prepared SeqLens, which cannot be "
+                               "used while tracing or capturing a CUDA graph (its indices would not "
+                               "follow the replayed tensor): pass the cu_seqlens tensor")
+    if sl.chunk_size != chunk_size:
+        raise ck.ArgumentError(f"{op}: argument 'cu_seqlens' was prepared for chunk size "
+                               f"{sl.chunk_size}, this variant's is {chunk_size}")
+    if device is not None and sl.cu32.device != device:
+        raise ck.ArgumentError(f"{op}: argument 'cu_seqlens' must be on {device}, got {sl.cu32.device}")
+    if sl.total_tokens != total_tokens:
+        ck.cu_values(op, [0, sl.total_tokens], total_tokens)  # raises: the end differs
+    return sl
+
+
 def checked(op: str, cu_seqlens: object, total_tokens: int, device: torch.device | None,
             chunk_size: int) -> SeqLens:
-    """The checked ``cu_seqlens`` of this call, from the cache when this tensor (same
-    version) was checked before. Uncached (see the module text) it is checked as far as
-    values can be read, and carries no host-side chunk count or indices."""
+    """The checked ``cu_seqlens`` of this call: a prepared SeqLens as given, else from the
+    cache when this tensor (same version) was checked before. Uncached (see the module
+    text) it is checked as far as values can be read, and carries no host-side chunk
+    count or indices."""
+    if isinstance(cu_seqlens, SeqLens):
+        return _given(op, cu_seqlens, total_tokens, device, chunk_size)
     if not caching():
         return _uncached(op, cu_seqlens, total_tokens, device, chunk_size)
     t = ck.tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=ck.INDEX_DTYPES, device=device)
@@ -72,12 +121,7 @@ def checked(op: str, cu_seqlens: object, total_tokens: int, device: torch.device
         if info.total_tokens != total_tokens:
             ck.cu_values(op, [0, info.total_tokens], total_tokens)  # raises: the end differs
         return info
-    vals = ck.cu_seqlens_values(op, t, total_tokens)
-    counts = [(b - a + chunk_size - 1) // chunk_size for a, b in zip(vals, vals[1:])]
-    cu32 = t.to(torch.int32).contiguous()
-    info = SeqLens(cu32=cu32, total_tokens=total_tokens, chunk_size=chunk_size,
-                   chunk_offsets=prepare_chunk_offsets(cu32, chunk_size), num_chunks=sum(counts),
-                   chunk_indices=prepare_chunk_indices(cu32, chunk_size, num_chunks=sum(counts)))
+    info = _derived(t, ck.cu_seqlens_values(op, t, total_tokens), chunk_size)
     _entries[key] = (weakref.ref(t), info)
     while len(_entries) > CACHE_ENTRIES:
         _entries.popitem(last=False)

@@ -150,3 +150,56 @@ def test_ops_under_inference_mode():
         kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], p["u"], None,
                              x.cu_seqlens, None, True, groups=1)
     assert p["kg_t"].shape[0] == 3
+
+
+def _stub_kernels(seen=None):
+    from kdagen.ops import Kernels
+    from kdagen.spec import KernelSpec
+
+    seen = {} if seen is None else seen
+    stub = {"prologue": lambda *a: seen.__setitem__("prologue", a),
+            "chunk": lambda *a: seen.__setitem__("chunk", a)}
+    return Kernels(KernelSpec.parse({"target": "sm_90"}), stub, device_type="cpu")
+
+
+def test_prepared_seqlens_read_nothing_in_the_ops(monkeypatch):
+    """prepare_seqlens under inference mode (an engine's forward): one check of the values
+    for any number of layers, and the kernels get its tensors."""
+    from kdagen.testing import make_inputs
+
+    checks_run = []
+    real = ck.cu_values
+    monkeypatch.setattr(ck, "cu_values", lambda *a: (checks_run.append(a), real(*a)))
+    seen = {}
+    kern = _stub_kernels(seen)
+    with torch.inference_mode():
+        x = make_inputs([70, 0, 129], 2, 128, device="cpu", seed=4)
+        sl = seqlens.prepare(x.cu_seqlens, 64)
+        assert sl.num_chunks == 2 + 0 + 3 and sl.total_tokens == 199
+        for _ in range(3):  # three layers
+            p = kern.fused_kda_prologue(*x.args(), None, None, sl)
+            kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], p["u"],
+                                 None, sl, None, True, groups=1)
+    assert len(checks_run) == 1  # prepare's; the ops check (and read) nothing
+    assert seen["prologue"][14] is sl.chunk_indices and seen["chunk"][8] is sl.chunk_offsets
+    with torch.inference_mode():
+        kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)  # a plain inference tensor
+    assert len(checks_run) == 2  # ... is checked on every call
+    assert torch.equal(sl.chunk_indices, prepare_chunk_indices(x.cu_seqlens, 64))
+
+
+def test_prepared_seqlens_are_checked_against_the_call():
+    from kdagen import checks
+
+    with pytest.raises(ValueError, match="non-decreasing"):
+        seqlens.prepare(torch.tensor([0, 9, 3]), 64)
+    with pytest.raises(ValueError, match="chunk_size"):
+        seqlens.prepare(torch.tensor([0, 9]), 0)
+    sl = seqlens.prepare(torch.tensor([0, 64, 100]), 32)
+    with pytest.raises(checks.ArgumentError, match="prepared for chunk size 32"):
+        seqlens.checked("op", sl, 100, None, 64)
+    with pytest.raises(checks.ArgumentError, match="must end at the token count 101, got 100"):
+        seqlens.checked("op", sl, 101, None, 32)
+    with pytest.raises(checks.ArgumentError, match="must be on meta"):
+        seqlens.checked("op", sl, 100, torch.device("meta"), 32)
+    assert seqlens.checked("op", sl, 100, torch.device("cpu"), 32) is sl
