@@ -254,7 +254,9 @@ def autotune_on_first_use() -> bool:
 
 def capturing() -> bool:
     """True while the current stream captures a CUDA graph (no timing runs then)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    from .checks import capturing as stream_capturing
+
+    return stream_capturing()
 
 
 # ---- measuring on a GPU ------------------------------------------------------------------------

@@ -83,39 +83,44 @@ def values_checkable() -> bool:
         return False
     if os.environ.get("KDAGEN_CHECK_VALUES", "1") == "0":
         return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
+    return not capturing()
+
+
+def capturing() -> bool:
+    """True while the current stream captures a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def cu_seqlens(op: str, cu: object, total_tokens: int, device: torch.device | None) -> torch.Tensor:
     t = tensor(op, "cu_seqlens", cu, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    if t.numel() < 2:
-        _fail(op, "cu_seqlens", f"must hold at least 2 offsets (N + 1), got {t.numel()}")
     if values_checkable():
-        cu_values(op, t.tolist(), total_tokens)
+        cu_seqlens_values(op, t, total_tokens)
+    elif t.numel() < 2:
+        _fail(op, "cu_seqlens", f"must hold at least 2 offsets (N + 1), got {t.numel()}")
     return t
 
 
-def cu_seqlens_values(op: str, t: torch.Tensor, total_tokens: int) -> list[int]:
-    """The values of a checked-shape ``cu_seqlens`` (one host read), after checking them."""
+def cu_seqlens_values(op: str, t: torch.Tensor, total_tokens: int | None) -> list[int]:
+    """The values of a checked-shape ``cu_seqlens`` (one host read), after checking them:
+    at least two, from 0, never decreasing, ending at ``total_tokens`` (any end if None)."""
     if t.numel() < 2:
         _fail(op, "cu_seqlens", f"must hold at least 2 offsets (N + 1), got {t.numel()}")
     vals = t.tolist()
-    cu_values(op, vals, total_tokens)
-    return vals
-
-
-def cu_values(op: str, vals: list[int], total_tokens: int) -> None:
-    """Starts at 0, never decreases, ends at the token count."""
     if vals[0] != 0:
         _fail(op, "cu_seqlens", f"must start at 0, got {vals[0]}")
     bad = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
     if bad is not None:
         _fail(op, "cu_seqlens", f"must be non-decreasing, but [{bad - 1}] = {vals[bad - 1]} > "
                                 f"[{bad}] = {vals[bad]}")
-    if vals[-1] != total_tokens:
-        _fail(op, "cu_seqlens", f"must end at the token count {total_tokens}, got {vals[-1]}")
+    if total_tokens is not None:
+        cu_end(op, vals[-1], total_tokens)
+    return vals
+
+
+def cu_end(op: str, end: int, total_tokens: int) -> None:
+    """``cu_seqlens`` must end at the token count."""
+    if end != total_tokens:
+        _fail(op, "cu_seqlens", f"must end at the token count {total_tokens}, got {end}")
 
 
 def indices(op: str, name: str, t: object, n: int, rows: int, device: torch.device | None) -> torch.Tensor:

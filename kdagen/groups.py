@@ -3,8 +3,8 @@ caller-owned fp32 workspace.
 
 The walk is serial in chunks; with few sequences x heads most of the GPU idles.
 Pass one runs ``2 * D / BV`` blocks per (sequence, head, group) (state rows plus
-transfer rows) for every group but the last, pass two ``D / BV`` for all. A group count pays while a pass's grid still
-fits one scheduling batch (one block per compute unit), or while the groups stay
+transfer rows) for every group but the last, pass two ``D / BV`` for all. A group
+count pays while a pass's grid still fits one scheduling batch (one block per compute unit), or while the groups stay
 long enough that pass two's shorter walk is worth a second batch of pass one.
 G == 2 only doubles the staging for the same depth, so a split starts at 4.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
@@ -50,15 +51,12 @@ def workspace_floats(groups: int, nh: int, head_dim: int) -> int:
 
 
 def group_workspace(groups: int, nh: int, head_dim: int, device: torch.device,
-                    poison: bool = False) -> torch.Tensor | None:
-    """One fp32 buffer from the caching allocator (so memory profilers see it); NaN-filled
-    with ``poison`` (tests: a plane the scan reads before a kernel writes it shows)."""
+                    alloc: Callable[..., torch.Tensor] = torch.empty) -> torch.Tensor | None:
+    """One fp32 buffer from ``alloc`` (the caching allocator, so memory profilers see it;
+    the ops pass theirs, which poisons under KDAGEN_POISON)."""
     if groups <= 1:
         return None
-    n = workspace_floats(groups, nh, head_dim)
-    if poison:
-        return torch.full((n,), float("nan"), dtype=torch.float32, device=device)
-    return torch.empty(n, dtype=torch.float32, device=device)
+    return alloc(workspace_floats(groups, nh, head_dim), dtype=torch.float32, device=device)
 
 
 @lru_cache(maxsize=None)

@@ -19,7 +19,6 @@ from . import autotune
 from . import seqlens
 from .groups import chunk_groups, group_workspace, num_compute_units
 from .spec import KernelSpec
-from .varlen import prepare_chunk_indices
 
 IO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -223,7 +222,7 @@ class Kernels:
                 if t is not None:
                     raise ck.ArgumentError(f"{op}: argument '{name}' needs conv_weight")
         if chunk_indices is None:
-            ci = sl.chunk_indices if sl.chunk_indices is not None else prepare_chunk_indices(sl.cu32, C)
+            ci = sl.indices()
         else:  # the caller's indices must be the ones cu_seqlens implies
             ci = ck.tensor(op, "chunk_indices", chunk_indices, ndim=2, dtypes=ck.INDEX_DTYPES,
                            device=dev)
@@ -231,8 +230,7 @@ class Kernels:
                 raise ck.ArgumentError(f"{op}: argument 'chunk_indices' must be [chunks, 2], got "
                                        f"{tuple(ci.shape)}")
             if ck.values_checkable():
-                want = sl.chunk_indices if sl.chunk_indices is not None else prepare_chunk_indices(sl.cu32, C)
-                ck.same_values(op, "chunk_indices", ci, want, "the rows")
+                ck.same_values(op, "chunk_indices", ci, sl.indices(), "the rows")
         ci = ci.to(torch.int32).contiguous()
         nchunks = ci.shape[0]
 
@@ -363,20 +361,16 @@ class Kernels:
         if groups is None:
             groups = self._choose_groups(nchunks // max(N, 1), N, H, dev)
         groups = ck.group_count(op, groups)
-        workspace = group_workspace(groups, N * H, D, dev, poison=_poisoning())
+        workspace = group_workspace(groups, N * H, D, dev, alloc=_empty)
         fn(qg, w, u, kg_t, aqk, decay, out, cu32, co, _scale(scale, D), initial_state, final_state,
            workspace, int(groups), checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
            state_cache, state_indices, has_initial_state)
         return out, final_state
 
 
-def _poisoning() -> bool:
-    return not ck.tracing() and os.environ.get("KDAGEN_POISON", "") not in ("", "0")
-
-
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty, or NaN-filled with KDAGEN_POISON=1 so tests see unwritten elements."""
-    if _poisoning():
+    if not ck.tracing() and os.environ.get("KDAGEN_POISON", "") not in ("", "0"):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(*shape, dtype=dtype, device=device)
 

@@ -72,15 +72,13 @@ def prologue_shared_mem(head_dim: int, chunk_size: int, io_dtype: str, shared_me
 
 def chunk_footprint(
     head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
-    stages: int = 1, stage_uo: bool = False, outputs: bool = True,
+    stages: int = 1, stage_uo: bool = False,
 ) -> Footprint:
     """Per stage: w, qg (C x K), kg_t (K x C), aqk (C x C) tiles, [the u / o tile
-    (C x block_width)], and the fp32 chunk decay; ``stages`` such buffers. Without
-    ``outputs`` (pass one of the chunk groups) no qg and aqk tiles."""
+    (C x block_width)], and the fp32 chunk decay; ``stages`` such buffers (the largest
+    walk's: pass one of the chunk groups stages no qg / aqk tiles)."""
     c, d = chunk_size, head_dim
-    elems = (2 if outputs else 1) * c * (d + PAD_16BIT) + d * (c + PAD_16BIT)
-    if outputs:
-        elems += c * (c + PAD_16BIT)
+    elems = 2 * c * (d + PAD_16BIT) + d * (c + PAD_16BIT) + c * (c + PAD_16BIT)
     if stage_uo:
         elems += c * (block_width + PAD_16BIT)
     waves = block_width // 16

@@ -48,6 +48,12 @@ class SeqLens:
     def num_seqs(self) -> int:
         return self.cu32.numel() - 1
 
+    def indices(self) -> torch.Tensor:
+        """The chunk indices: the kept ones, else derived now (a host read of the count)."""
+        if self.chunk_indices is not None:
+            return self.chunk_indices
+        return prepare_chunk_indices(self.cu32, self.chunk_size)
+
 
 _entries: OrderedDict[tuple, tuple[weakref.ref, SeqLens]] = OrderedDict()
 
@@ -67,26 +73,27 @@ def prepare(cu_seqlens: torch.Tensor, chunk_size: int) -> SeqLens:
     t = ck.tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=ck.INDEX_DTYPES)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ck.ArgumentError(f"{op}: argument 'chunk_size' must be a positive int, got {chunk_size!r}")
-    if t.numel() < 2:
-        raise ck.ArgumentError(f"{op}: argument 'cu_seqlens' must hold at least 2 offsets (N + 1), "
-                               f"got {t.numel()}")
-    vals = t.tolist()
-    ck.cu_values(op, vals, vals[-1])
-    return _derived(t, vals, chunk_size)
+    return _derived(t, chunk_size, ck.cu_seqlens_values(op, t, None))
 
 
-def _derived(t: torch.Tensor, vals: list[int], chunk_size: int) -> SeqLens:
-    counts = [(b - a + chunk_size - 1) // chunk_size for a, b in zip(vals, vals[1:])]
+def _derived(t: torch.Tensor, chunk_size: int, vals: list[int] | None,
+             total_tokens: int | None = None) -> SeqLens:
+    """The bookkeeping of a checked ``t``; with its host values also the chunk count and
+    indices (no further host read)."""
     cu32 = t.to(torch.int32).contiguous()
-    return SeqLens(cu32=cu32, total_tokens=vals[-1], chunk_size=chunk_size,
-                   chunk_offsets=prepare_chunk_offsets(cu32, chunk_size), num_chunks=sum(counts),
-                   chunk_indices=prepare_chunk_indices(cu32, chunk_size, num_chunks=sum(counts)))
+    offsets = prepare_chunk_offsets(cu32, chunk_size)
+    if vals is None:
+        return SeqLens(cu32=cu32, total_tokens=total_tokens, chunk_size=chunk_size,
+                       chunk_offsets=offsets)
+    n = sum((b - a + chunk_size - 1) // chunk_size for a, b in zip(vals, vals[1:]))
+    return SeqLens(cu32=cu32, total_tokens=vals[-1], chunk_size=chunk_size, chunk_offsets=offsets,
+                   num_chunks=n, chunk_indices=prepare_chunk_indices(cu32, chunk_size, num_chunks=n))
 
 
 def _given(op: str, sl: SeqLens, total_tokens: int, device: torch.device | None,
            chunk_size: int) -> SeqLens:
     """A prepared SeqLens passed as cu_seqlens: checked against this call."""
-    if ck.tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if ck.tracing() or ck.capturing():
         raise ck.ArgumentError(f"{op}: argument 'cu_seqlens' is a prepared SeqLens, which cannot be "
                                "used while tracing or capturing a CUDA graph (its indices would not "
                                "follow the replayed tensor): pass the cu_seqlens tensor")
@@ -95,8 +102,7 @@ def _given(op: str, sl: SeqLens, total_tokens: int, device: torch.device | None,
                                f"{sl.chunk_size}, this variant's is {chunk_size}")
     if device is not None and sl.cu32.device != device:
         raise ck.ArgumentError(f"{op}: argument 'cu_seqlens' must be on {device}, got {sl.cu32.device}")
-    if sl.total_tokens != total_tokens:
-        ck.cu_values(op, [0, sl.total_tokens], total_tokens)  # raises: the end differs
+    ck.cu_end(op, sl.total_tokens, total_tokens)
     return sl
 
 
@@ -117,11 +123,9 @@ def checked(op: str, cu_seqlens: object, total_tokens: int, device: torch.device
     hit = _entries.get(key)
     if hit is not None and hit[0]() is t:
         _entries.move_to_end(key)
-        info = hit[1]
-        if info.total_tokens != total_tokens:
-            ck.cu_values(op, [0, info.total_tokens], total_tokens)  # raises: the end differs
-        return info
-    info = _derived(t, ck.cu_seqlens_values(op, t, total_tokens), chunk_size)
+        ck.cu_end(op, hit[1].total_tokens, total_tokens)
+        return hit[1]
+    info = _derived(t, chunk_size, ck.cu_seqlens_values(op, t, total_tokens))
     _entries[key] = (weakref.ref(t), info)
     while len(_entries) > CACHE_ENTRIES:
         _entries.popitem(last=False)
@@ -131,9 +135,7 @@ def checked(op: str, cu_seqlens: object, total_tokens: int, device: torch.device
 def _uncached(op: str, cu_seqlens: object, total_tokens: int, device: torch.device | None,
               chunk_size: int) -> SeqLens:
     t = ck.cu_seqlens(op, cu_seqlens, total_tokens, device)
-    cu32 = t.to(torch.int32).contiguous()
-    return SeqLens(cu32=cu32, total_tokens=total_tokens, chunk_size=chunk_size,
-                   chunk_offsets=prepare_chunk_offsets(cu32, chunk_size))
+    return _derived(t, chunk_size, None, total_tokens)
 
 
 def clear() -> None:

@@ -355,9 +355,3 @@ def test_check_generated_on_a_missing_root(tmp_path):
     assert len(stale) == n
 
 
-
-def test_pass_one_stages_no_output_tiles():
-    """Pass one (no o) stages w, kg_t, u and decay only: the qg and aqk tiles are left out."""
-    one = resources.chunk_footprint(128, 64, 128, "bf16", 32, 2, True, outputs=False).shared_mem
-    full = resources.chunk_footprint(128, 64, 128, "bf16", 32, 2, True).shared_mem
-    assert full - one == 2 * (64 * 136 + 64 * 72) * 2

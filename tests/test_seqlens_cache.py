@@ -11,6 +11,16 @@ from kdagen import seqlens
 from kdagen.varlen import prepare_chunk_indices, prepare_chunk_offsets
 
 
+def _stub_kernels(seen=None):
+    from kdagen.ops import Kernels
+    from kdagen.spec import KernelSpec
+
+    seen = {} if seen is None else seen
+    stub = {"prologue": lambda *a: seen.__setitem__("prologue", a),
+            "chunk": lambda *a: seen.__setitem__("chunk", a)}
+    return Kernels(KernelSpec.parse({"target": "sm_90"}), stub, device_type="cpu")
+
+
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     seqlens.clear()
@@ -94,14 +104,10 @@ def test_bounded_and_no_stale_identity(fresh):
 def test_ops_read_cu_seqlens_once_per_tensor(fresh):
     """Prologue then chunk scan on one cu_seqlens (kernels stubbed, CPU tensors): one host
     read, and the kernels get the cached int32 offsets and chunk indices."""
-    from kdagen.ops import Kernels
-    from kdagen.spec import KernelSpec
     from kdagen.testing import make_inputs
 
     seen = {}
-    stub = {"prologue": lambda *a: seen.setdefault("prologue", a),
-            "chunk": lambda *a: seen.setdefault("chunk", a)}
-    kern = Kernels(KernelSpec.parse({"target": "sm_90"}), stub, device_type="cpu")
+    kern = _stub_kernels(seen)
     x = make_inputs([100, 0, 64, 3], 2, 128, device="cpu", seed=3)
     for _ in range(3):
         p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
@@ -138,12 +144,9 @@ def test_normal_tensor_used_inside_inference_mode_is_cached(fresh):
 
 def test_ops_under_inference_mode():
     """A serving engine's forward: everything made and run under inference_mode."""
-    from kdagen.ops import Kernels
-    from kdagen.spec import KernelSpec
     from kdagen.testing import make_inputs
 
-    stub = {"prologue": lambda *a: None, "chunk": lambda *a: None}
-    kern = Kernels(KernelSpec.parse({"target": "sm_90"}), stub, device_type="cpu")
+    kern = _stub_kernels()
     with torch.inference_mode():
         x = make_inputs([70, 5], 2, 128, device="cpu", seed=2)
         p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
@@ -152,24 +155,11 @@ def test_ops_under_inference_mode():
     assert p["kg_t"].shape[0] == 3
 
 
-def _stub_kernels(seen=None):
-    from kdagen.ops import Kernels
-    from kdagen.spec import KernelSpec
-
-    seen = {} if seen is None else seen
-    stub = {"prologue": lambda *a: seen.__setitem__("prologue", a),
-            "chunk": lambda *a: seen.__setitem__("chunk", a)}
-    return Kernels(KernelSpec.parse({"target": "sm_90"}), stub, device_type="cpu")
-
-
-def test_prepared_seqlens_read_nothing_in_the_ops(monkeypatch):
-    """prepare_seqlens under inference mode (an engine's forward): one check of the values
+def test_prepared_seqlens_read_nothing_in_the_ops(fresh):
+    """prepare_seqlens under inference mode (an engine's forward): one read of the values
     for any number of layers, and the kernels get its tensors."""
     from kdagen.testing import make_inputs
 
-    checks_run = []
-    real = ck.cu_values
-    monkeypatch.setattr(ck, "cu_values", lambda *a: (checks_run.append(a), real(*a)))
     seen = {}
     kern = _stub_kernels(seen)
     with torch.inference_mode():
@@ -180,11 +170,11 @@ def test_prepared_seqlens_read_nothing_in_the_ops(monkeypatch):
             p = kern.fused_kda_prologue(*x.args(), None, None, sl)
             kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], p["u"],
                                  None, sl, None, True, groups=1)
-    assert len(checks_run) == 1  # prepare's; the ops check (and read) nothing
+    assert len(fresh) == 1  # prepare's; the ops read nothing
     assert seen["prologue"][14] is sl.chunk_indices and seen["chunk"][8] is sl.chunk_offsets
     with torch.inference_mode():
         kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)  # a plain inference tensor
-    assert len(checks_run) == 2  # ... is checked on every call
+    assert len(fresh) == 2  # ... is read and checked on every call
     assert torch.equal(sl.chunk_indices, prepare_chunk_indices(x.cu_seqlens, 64))
 
 

@@ -905,28 +905,28 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     // is not free for v, the w tiles go first, then v replaces k in the k plane.
     constexpr int WTILES = NB * (D / 16), TILES = 2 * WTILES;
     auto solve_tiles = [&](int first, int last_tile) {
-    for (int tile = first + wave; tile < last_tile; tile += NW) {
-      const bool is_w = tile < WTILES;
-      const int tt = is_w ? tile : tile - WTILES;
-      const int bi = tt / (D / 16), dt = tt % (D / 16);
-      const T* rhs = is_w || !Lay::kVInQ ? Ks : Qs;
-      mma::Acc acc;
-      mma::zero(acc);
-      for (int kb = 0; kb <= bi; ++kb) {
-        const mma::Frag fa = mma::load_a_smem(Ab + 16 * bi * Lay::LDA + 16 * kb, Lay::LDA);
-        const mma::Frag fb = mma::load_b2<DType::kBF16>([&](int nn, int k) {
-          const int j = 16 * kb + k, d = 16 * dt + nn;
-          const float s0 = is_w ? 1.0f : bt[j], s1 = is_w ? 1.0f : bt[j + 1];
-          return make_float2(s0 * to_float<Io>(rhs[j * LDK + d]), s1 * to_float<Io>(rhs[(j + 1) * LDK + d]));
+      for (int tile = first + wave; tile < last_tile; tile += NW) {
+        const bool is_w = tile < WTILES;
+        const int tt = is_w ? tile : tile - WTILES;
+        const int bi = tt / (D / 16), dt = tt % (D / 16);
+        const T* rhs = is_w || !Lay::kVInQ ? Ks : Qs;
+        mma::Acc acc;
+        mma::zero(acc);
+        for (int kb = 0; kb <= bi; ++kb) {
+          const mma::Frag fa = mma::load_a_smem(Ab + 16 * bi * Lay::LDA + 16 * kb, Lay::LDA);
+          const mma::Frag fb = mma::load_b2<DType::kBF16>([&](int nn, int k) {
+            const int j = 16 * kb + k, d = 16 * dt + nn;
+            const float s0 = is_w ? 1.0f : bt[j], s1 = is_w ? 1.0f : bt[j + 1];
+            return make_float2(s0 * to_float<Io>(rhs[j * LDK + d]), s1 * to_float<Io>(rhs[(j + 1) * LDK + d]));
+          });
+          mma::mma<DType::kBF16>(acc, fa, fb);
+        }
+        T* dst = (is_w ? wout : uout) + static_cast<int64_t>(t0) * row_hd + h * D + 16 * dt;
+        mma::for_each(acc, [&](int r, int c, float& x) {
+          const int i = 16 * bi + r;
+          if (i < valid) dst[i * row_hd + c] = from_float<Io>(x);
         });
-        mma::mma<DType::kBF16>(acc, fa, fb);
       }
-      T* dst = (is_w ? wout : uout) + static_cast<int64_t>(t0) * row_hd + h * D + 16 * dt;
-      mma::for_each(acc, [&](int r, int c, float& x) {
-        const int i = 16 * bi + r;
-        if (i < valid) dst[i * row_hd + c] = from_float<Io>(x);
-      });
-    }
     };
     if constexpr (Lay::kVInQ) {
       solve_tiles(0, TILES);
