@@ -36,8 +36,9 @@ class Footprint:
 def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str,
                        stage_q: bool = False, planar: bool = False) -> Footprint:
     """G (fp32, later reused for L) + k (io dtype) [+ q] + three per-row fp32 vectors;
-    ``planar`` adds the two operand planes, 2^G of each block's first row, the block-pair
-    scales and the diagonal choices (16 bytes), and implies the q plane."""
+    ``planar`` adds the two operand planes, 2^G of each block's first row, its kg_t
+    factor 2^(G_last - G_l), the block-pair scales and the diagonal choices (16 bytes),
+    and implies the q plane."""
     c, d = chunk_size, head_dim
     g_plane = c * (d + PAD_FP32) * 4
     row_plane = c * (d + PAD_16BIT) * IO_BYTES[io_dtype]
@@ -45,7 +46,7 @@ def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str,
         nb = c // 16
         scales = nb * (nb - 1) // 2 + nb
         return Footprint(PROLOGUE_THREADS,
-                         g_plane + 4 * row_plane + 3 * c * 4 + nb * d * 4 + scales * d * 4 + 16)
+                         g_plane + 4 * row_plane + 3 * c * 4 + 2 * nb * d * 4 + scales * d * 4 + 16)
     return Footprint(PROLOGUE_THREADS, g_plane + (2 if stage_q else 1) * row_plane + 3 * c * 4)
 
 

@@ -2,7 +2,8 @@
 // chunk scan needs from the raw projections, in one launch:
 //
 //   q^, k^   L2 norms (applied as per-row factors rq, rk; the raw rows stay in LDS)
-//   G        in-chunk cumulative gate, log2 units (exp2 everywhere below)
+//   G        in-chunk cumulative gate, log2 units (exp2 everywhere below: exp2_fast, one
+//            instruction that flushes results below 2^-126, except the fp32 decay output)
 //   qg       q^ * 2^G                              [T, H, K]
 //   kg_t     (k^ * 2^(G_last - G))^T                [chunks, H, K, C], zero past the end
 //   decay    2^G_last                              [chunks, H, K] fp32
@@ -61,7 +62,7 @@ struct PrologueLayout {
   static constexpr int kScales = kPairs + NB;       // planar pair scales: off-diagonal, diagonal
   // 16-bit planes: k [, q] [, Ka, Kb]
   static constexpr int kPlanes = kPlanar ? 4 : (Cfg::kStageQ ? 2 : 1);
-  static constexpr int kVecBytes = 3 * C * 4 + (kPlanar ? NB * D * 4 + kScales * D * 4 + 16 : 0);
+  static constexpr int kVecBytes = 3 * C * 4 + (kPlanar ? 2 * NB * D * 4 + kScales * D * 4 + 16 : 0);
   static constexpr int kBytes =
       C * LDG * 4 + kPlanes * C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + kVecBytes;
   // The solve runs on the matrix units when (I + L)^-1 in bf16 has a place: beside L in
@@ -128,7 +129,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
   uint16_t* KB = KA + C * LDK;
   float* Pv = bt + C;                           // 2^G of each block's first row [NB][D]
   float* Sv = Pv + NB * D;                      // pair scales [kScales][D]
-  int* dmma = reinterpret_cast<int*>(Sv + Lay::kScales * D);  // diagonal block b on the matrix units
+  float* Lv = Sv + Lay::kScales * D;            // 2^(G_last - G_l(b)) of each block [NB][D]
+  int* dmma = reinterpret_cast<int*>(Lv + NB * D);  // diagonal block b on the matrix units
 
   const int chunk = blockIdx.x, h = blockIdx.y, H = a.num_heads;
   const int tid = threadIdx.x, lane = lane_id(), wave = wave_id();
@@ -416,7 +418,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       for (int e = 0; e < PER; ++e) {
         const int d = lane + e * kWaveSize;
         if (d < D) {
-          const float kj = to_float<Io>(Ks[j * LDK + d]) * exp2f(gi[e] - Gs[j * LDG + d]);
+          const float kj = to_float<Io>(Ks[j * LDK + d]) * exp2_fast(gi[e] - Gs[j * LDG + d]);
           sk += ki[e] * kj;
           sq += qi[e] * kj;
         }
@@ -547,7 +549,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const int i = i0 + j;
-        out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2f(glast - Gs[i * LDG + d]) : 0.0f;
+        out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2_fast(glast - Gs[i * LDG + d]) : 0.0f;
       }
       *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
     }
@@ -562,13 +564,17 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
     };
 
-    // ---- P2: per-block vectors, the diagonal choice, kg_t, decay ------------------------
-    for (int e = tid; e < NB * D; e += NT) Pv[e] = exp2f(Gs[(e / D) * 16 * LDG + e % D]);
+    // ---- P2: per-block vectors, the diagonal choice, decay -------------------------------
+    for (int e = tid; e < NB * D; e += NT) {
+      const int b = e / D, d = e % D;
+      Pv[e] = exp2_fast(Gs[16 * b * LDG + d]);
+      Lv[e] = exp2_fast(Gs[last * LDG + d] - Gs[(16 * b + 15) * LDG + d]);  // <= 1 (rows past the end keep G_last)
+    }
     for (int e = tid; e < kScales * D; e += NT) {
       const int p = e / D, d = e % D;
       int bi, bj;
       pair_blocks(p, bi, bj);
-      Sv[e] = exp2f(Gs[16 * bi * LDG + d] - Gs[(16 * bj + 15) * LDG + d]);
+      Sv[e] = exp2_fast(Gs[16 * bi * LDG + d] - Gs[(16 * bj + 15) * LDG + d]);
     }
     if (wave < NB) {  // wave b: the span of diagonal block b, the largest over the channels
       float span = 0.0f;
@@ -577,7 +583,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       span = wave_max(span);
       if (lane == 0) dmma[wave] = span <= kDiagSpan<Mx> ? 1 : 0;
     }
-    store_kg_t_and_decay();
+    for (int d = tid; d < D; d += NT)
+      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
     __syncthreads();
 
     // ---- P3: diagonal blocks whose span is too wide: exact per pair ---------------------
@@ -610,7 +617,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
         float ka[8], qa[8], kb[8], w8[8], qo[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float up = exp2f(g[j] - gf[j]), down = exp2f(gl[j] - g[j]);  // both <= 1
+          const float up = exp2_fast(g[j] - gf[j]), down = exp2_fast(gl[j] - g[j]);  // both <= 1
           const float kn = ri * k8[j];
           ka[j] = kn * up;
           qa[j] = qi * q8[j] * up;
@@ -626,6 +633,24 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       }
     }
     __syncthreads();
+
+    // kg_t [D][C] from the Kb plane: k^_j 2^(G_last - G_j) = Kb_j 2^(G_last - G_l(j)), a thread
+    // per 8 consecutive rows of one column (one block, one factor); rows past the end
+    // are zero in Kb (rk = 0). Nothing after reads it here: no barrier before P5.
+    {
+      constexpr int VEC = 8, PIECES = D * (C / VEC), ITERS = PIECES / NT;
+      static_assert(PIECES % NT == 0, "the kg_t pieces spread evenly");
+      T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
+#pragma unroll
+      for (int m = 0; m < ITERS; ++m) {
+        const int e = tid + m * NT, d = e % D, i0 = (e / D) * VEC;
+        const float f = Lv[(i0 / 16) * D + d];
+        float out8[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out8[j] = to_float<Mx>(KB[(i0 + j) * LDK + d]) * f;
+        *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
+      }
+    }
 
     // v's rows, loaded now so that they land during the products (used in P6)
     constexpr int VPER_ROW = D / 8, VITERS = C * VPER_ROW / NT;
@@ -772,7 +797,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       const int i = e / (D / VEC), c = (e % (D / VEC)) * VEC;
       float out8[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) out8[j] = qval(i, c + j) * rq[i] * exp2f(Gs[i * LDG + c + j]);
+      for (int j = 0; j < VEC; ++j) out8[j] = qval(i, c + j) * rq[i] * exp2_fast(Gs[i * LDG + c + j]);
       *reinterpret_cast<uint4*>(qg + i * row_hd + c) = pack8<Io>(out8);
     }
   }
@@ -811,18 +836,18 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
       const mma::Frag ak = mma::load_a2<Mx>([&](int r, int c) {
         const int i = 16 * bi + r, d = 16 * kt + c;
         const float2 k = k2(i, d), g = g2(i, d), gr = *reinterpret_cast<const float2*>(gref + c);
-        return make_float2(rk[i] * k.x * exp2f(g.x - gr.x), rk[i] * k.y * exp2f(g.y - gr.y));
+        return make_float2(rk[i] * k.x * exp2_fast(g.x - gr.x), rk[i] * k.y * exp2_fast(g.y - gr.y));
       });
       const mma::Frag aq = mma::load_a2<Mx>([&](int r, int c) {
         const int i = 16 * bi + r, d = 16 * kt + c;
         if (i >= valid) return make_float2(0.0f, 0.0f);
         const float2 q = q2(i, d), g = g2(i, d), gr = *reinterpret_cast<const float2*>(gref + c);
-        return make_float2(rq[i] * q.x * exp2f(g.x - gr.x), rq[i] * q.y * exp2f(g.y - gr.y));
+        return make_float2(rq[i] * q.x * exp2_fast(g.x - gr.x), rq[i] * q.y * exp2_fast(g.y - gr.y));
       });
       const mma::Frag b = mma::load_b2<Mx>([&](int nn, int c) {
         const int j = 16 * bj + nn, d = 16 * kt + c;
         const float2 k = k2(j, d), g = g2(j, d), gr = *reinterpret_cast<const float2*>(gref + c);
-        return make_float2(rk[j] * k.x * exp2f(gr.x - g.x), rk[j] * k.y * exp2f(gr.y - g.y));
+        return make_float2(rk[j] * k.x * exp2_fast(gr.x - g.x), rk[j] * k.y * exp2_fast(gr.y - g.y));
       });
       mma::mma<Mx>(accL[pp], ak, b);
       mma::mma<Mx>(accQ, aq, b);
@@ -860,7 +885,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(P
     float v[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      v[j] = f * k8[j] * exp2f(gs[j]);
+      v[j] = f * k8[j] * exp2_fast(gs[j]);
     }
     *reinterpret_cast<uint4*>(Ks + i * LDK + d) = pack8<Io>(v);
   }

@@ -37,6 +37,18 @@ __device__ __forceinline__ float wave_max(float x) {
   return x;
 }
 
+// 2^x in one instruction (v_exp_f32: 1 ulp); exp2f adds a range check and a rescale to
+// keep subnormal results, which no kdagen factor needs (see vendor_cuda.h).
+__device__ __forceinline__ float exp2_fast(float x) {
+#if defined(KDAGEN_EMULATE)
+  return kdagen_emu::exp2_ftz(x);
+#else
+  float y;
+  asm("v_exp_f32 %0, %1" : "=v"(y) : "v"(x));
+  return y;
+#endif
+}
+
 // Order this lane's LDS writes before the other lanes' reads that follow (a wave runs in
 // lockstep; the fences keep the compiler from moving LDS accesses across).
 __device__ __forceinline__ void wave_sync() {

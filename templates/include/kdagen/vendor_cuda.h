@@ -45,6 +45,19 @@ __device__ __forceinline__ float wave_max(float x) {
 
 __device__ __forceinline__ void wave_sync() { __syncwarp(); }
 
+// 2^x in one instruction (ex2.approx.ftz: 2^-22 relative error, results below 2^-126
+// flush to zero). exp2f adds a range check and two rescales to keep those subnormals;
+// no kdagen factor needs them (they multiply values <= 1 and end in 16-bit operands).
+__device__ __forceinline__ float exp2_fast(float x) {
+#if defined(KDAGEN_EMULATE)
+  return kdagen_emu::exp2_ftz(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // Asynchronous 16-byte global -> shared copies (cp.async, Ampere and newer): `copy16`
 // zero-fills when `pred` is false; `commit` closes a group, `wait<N>` blocks until at
 // most N groups of this thread are still in flight.
