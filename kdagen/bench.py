@@ -1,7 +1,8 @@
 """``kdagen bench``: kdagen's prologue + chunk scan against ``fla.ops.kda.chunk_kda``,
 side by side in one process, on the same inputs, with the roofline beside it.
 
-Per token x head (K = V = D, chunk C, bf16), counted for the two-kernel design:
+Per token x head (K = V = D, chunk C: ``--chunk-size``, 64 by default; bf16), counted
+for the two-kernel design:
   bytes  read q, k, v, g (4 D x 2) + beta (2); prologue writes qg, w, u (3 D x 2),
          aqk (C x 2), kg_t (D x 2); the scan reads them back and writes o (D x 2).
   FLOPs  prologue 4 C D (L, aqk, the triangular solves of w and u) + scan 6 D^2
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 DEFAULT_SHAPES = "1x32768:32,8x4096:32,32x1024:32,1x2048:32,1x131072:8,64x256:32"
-D, C = 128, 64
+D = 128
 
 
 @dataclass
@@ -52,7 +53,8 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def traffic(token_heads: int) -> tuple[float, float]:
+def traffic(token_heads: int, C: int = 64) -> tuple[float, float]:
+    """Bytes and FLOPs of the two-kernel design for ``token_heads`` at chunk ``C``."""
     per_bytes = 4 * D * 2 + 2 + 2 * (3 * D * 2 + C * 2 + D * 2) + D * 2
     per_flops = 4 * C * D + 6 * D * D + C * D
     return per_bytes * token_heads, per_flops * token_heads
@@ -97,7 +99,8 @@ def commit() -> str:
 
 
 def run(shapes: list[tuple[int, int, int]], reps: int,
-        gates: tuple[str, ...] = ("lower_bound", "softplus")) -> tuple[list[Row], dict]:
+        gates: tuple[str, ...] = ("lower_bound", "softplus"),
+        chunk_size: int = 64) -> tuple[list[Row], dict]:
     import kdagen
     from .groups import num_compute_units
     from .jit import device_target
@@ -112,7 +115,8 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
     target = device_target()
     rows = []
     for gate in gates:
-        kern = kdagen.load({"target": target, "gate": gate})
+        kern = kdagen.load({"target": target, "gate": gate, "chunk_size": chunk_size})
+        C = kern.spec.chunk_size
         for n, t, h in shapes:
             th = n * t * h
             nsets = max(2, min(4, int(3e9 // (th * 3000)) or 2))
@@ -140,7 +144,7 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
             groups = kern._choose_groups((t + C - 1) // C, n, h, torch.device("cuda"))  # as used
             row = Row(f"{n}x{t}x{h}", gate, th, groups, time_ms(ours, nsets, reps),
                       time_ms(prologue_only, nsets, reps), time_ms(chunk_only, nsets, reps), None,
-                      0.0, *traffic(th), None)
+                      0.0, *traffic(th, C), None)
             if chunk_kda is not None:
                 cus = [x.cu_seqlens.long() for x in sets]
 
@@ -167,7 +171,7 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
     meta = dict(
         date=time.strftime("%Y-%m-%d"), commit=commit(), gpu=torch.cuda.get_device_name(),
         torch=torch.__version__, copy_gbps=bw / 1e9, bf16_tflops=rate / 1e12,
-        cus=num_compute_units(torch.device("cuda")),
+        cus=num_compute_units(torch.device("cuda")), chunk=chunk_size,
     )
     return rows, meta
 
@@ -188,7 +192,7 @@ def _line(r: Row) -> str:
 def table(rows: list[Row], meta: dict) -> str:
     head = (f"{meta['date']}, commit {meta['commit']}, {meta['gpu']} ({meta['cus']} SMs), torch "
             f"{meta['torch']}; measured copy {meta['copy_gbps']:.0f} GB/s, bf16 matmul "
-            f"{meta['bf16_tflops']:.0f} TFLOP/s. bf16, K = V = 128, chunk 64, fp32 initial "
+            f"{meta['bf16_tflops']:.0f} TFLOP/s. bf16, K = V = 128, chunk {meta.get('chunk', 64)}, fp32 initial "
             "state in, final state out; median of CUDA-event timings.")
     sep = "|" + "---|" * (HEADER.count("|") - 1)
     return "\n".join([head, "", HEADER, sep, *(_line(r) for r in rows)])
@@ -222,7 +226,8 @@ def main(ns: argparse.Namespace) -> int:
         print("kdagen: error: bench needs a GPU (torch.cuda.is_available() is False)")
         return 1
     gates = tuple(g.strip() for g in (ns.gates or "lower_bound,softplus").split(","))
-    rows, meta = run(parse_shapes(ns.shapes or DEFAULT_SHAPES), ns.reps, gates)
+    rows, meta = run(parse_shapes(ns.shapes or DEFAULT_SHAPES), ns.reps, gates,
+                     getattr(ns, "chunk_size", 64))
     text = table(rows, meta)
     print()
     print(text)

@@ -260,6 +260,8 @@ def parser() -> argparse.ArgumentParser:
     bn.add_argument("--shapes", help="comma separated NxT:H list, e.g. 1x32768:32,8x4096:32")
     bn.add_argument("--reps", type=int, default=50, help="timed repetitions per shape")
     bn.add_argument("--gates", help="gate forms to time, comma separated (default lower_bound,softplus)")
+    bn.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64],
+                    help="kdagen's chunk size (default 64; FLA's is 64)")
     bn.add_argument("--markdown", help="write the result table to this markdown file")
     bn.add_argument("--plot", help="write a PNG plot here")
     bn.add_argument("--json", help="write raw results here")

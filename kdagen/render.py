@@ -104,6 +104,9 @@ def render(spec: KernelSpec) -> Rendered:
                                          t.shared_mem),
         prologue_bytes=resources.prologue_shared_mem(spec.head_dim, spec.chunk_size,
                                                      spec.io_dtype, t.shared_mem),
+        prologue_min_blocks=resources.prologue_min_blocks(
+            resources.prologue_shared_mem(spec.head_dim, spec.chunk_size, spec.io_dtype,
+                                          t.shared_mem), t.cu_smem, t.block_smem_reserve),
         chunk=resources.chunk_plan(spec.head_dim, spec.chunk_size, spec.block_width,
                                    spec.io_dtype, t.wave_size, t.shared_mem, t.async_copy),
         pad16=resources.PAD_16BIT,

@@ -57,11 +57,14 @@ def prologue_stages_q(head_dim: int, chunk_size: int, io_dtype: str, shared_mem:
 
 def prologue_planar(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> bool:
     """Whether the prologue builds its L / aqk operands as LDS planes (and solves on the
-    matrix units): the planar footprint fits, and L (fp32) with its bf16 inverse fits in
-    the G plane."""
+    matrix units): the planar footprint fits, L (fp32) with its bf16 inverse fits in
+    the G plane, and the chunk's 16-byte pieces spread evenly over the threads (not
+    d64/c16)."""
     c, d = chunk_size, head_dim
     in_g = c * (c + PAD_FP32) * 4 + c * (c + PAD_16BIT) * 2 <= c * (d + PAD_FP32) * 4
-    return in_g and prologue_footprint(d, c, io_dtype, planar=True).shared_mem <= shared_mem
+    # its elementwise passes take the chunk's 16-byte pieces evenly, every thread busy
+    even = (c * d // 8) % PROLOGUE_THREADS == 0
+    return in_g and even and prologue_footprint(d, c, io_dtype, planar=True).shared_mem <= shared_mem
 
 
 def prologue_shared_mem(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> int:
@@ -69,6 +72,14 @@ def prologue_shared_mem(head_dim: int, chunk_size: int, io_dtype: str, shared_me
     planar = prologue_planar(head_dim, chunk_size, io_dtype, shared_mem)
     stage_q = prologue_stages_q(head_dim, chunk_size, io_dtype, shared_mem)
     return prologue_footprint(head_dim, chunk_size, io_dtype, stage_q, planar).shared_mem
+
+
+def prologue_min_blocks(shared_mem_bytes: int, cu_smem: int, reserve: int) -> int:
+    """Prologue workgroups the launch bound asks to keep resident per compute unit: as
+    many as its LDS lets share one (at 256 threads: 4 leave 64 registers a lane on
+    sm_90, 128 VGPRs on CDNA), never below 2 (the hint of every variant before) nor
+    above 4."""
+    return max(2, min(4, cu_smem // (shared_mem_bytes + reserve)))
 
 
 def chunk_footprint(

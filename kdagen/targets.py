@@ -13,7 +13,10 @@ class Target:
     ``shared_mem`` is the most LDS / shared memory one workgroup may use (bytes),
     ``check_arch`` the arch a compile-only check falls back to when the local
     compiler does not know ``arch`` (Debian's ROCm 5.2 clang stops at gfx940),
-    ``async_copy`` whether kernels may double-buffer through asynchronous copies.
+    ``async_copy`` whether kernels may double-buffer through asynchronous copies,
+    ``cu_shared_mem`` the LDS / shared memory of one compute unit (SM) that resident
+    workgroups share, ``block_smem_reserve`` what the hardware keeps per resident
+    workgroup out of it (1 KB on Hopper).
     """
 
     name: str
@@ -25,6 +28,13 @@ class Target:
     description: str
     check_arch: str | None = None
     async_copy: bool = False  # 16-byte asynchronous global -> shared copies (cp.async)
+    cu_shared_mem: int = 0  # 0: the same as shared_mem
+    block_smem_reserve: int = 0
+
+    @property
+    def cu_smem(self) -> int:
+        """LDS / shared memory per compute unit (bytes)."""
+        return self.cu_shared_mem or self.shared_mem
 
     @property
     def tag(self) -> str:
@@ -45,7 +55,7 @@ TARGETS: dict[str, Target] = {
             check_arch="gfx940",
         ),
         Target("sm_90", "nvidia", "sm_90a", 32, 232448, "mma.sync", "NVIDIA Hopper (H100, H200)",
-               async_copy=True),
+               async_copy=True, cu_shared_mem=233472, block_smem_reserve=1024),
     )
 }
 

@@ -2,7 +2,8 @@
 (eager, host work included), the same two calls replayed from a CUDA graph (device time
 alone), and every kernel's device time from the torch profiler.
 
-    python3 scripts/profile_breakdown.py [shapes] [gate]    e.g. 1x32768:32,8x4096:32 lower_bound
+    python3 scripts/profile_breakdown.py [shapes] [gate] [chunk] [width]
+        e.g. 1x32768:32,8x4096:32 lower_bound 32 128
 
 Prints one line per shape: eager ms, graph ms, host overhead, and the kernels' times.
 """
@@ -46,7 +47,10 @@ def kernel_times(fn, reps: int) -> dict[str, float]:
 def main() -> None:
     shapes = parse_shapes(sys.argv[1] if len(sys.argv) > 1 else DEFAULT)
     gate = sys.argv[2] if len(sys.argv) > 2 else "lower_bound"
-    kern = kdagen.load({"target": device_target(), "gate": gate})
+    chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+    width = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    kern = kdagen.load({"target": device_target(), "gate": gate, "chunk_size": chunk,
+                        "block_width": width})
     C = kern.spec.chunk_size
     for n, t, h in shapes:
         x = make_inputs([t] * n, h, 128, gate=gate, seed=1)
@@ -69,7 +73,7 @@ def main() -> None:
         replay = time_ms(lambda _: graph.replay(), 1, 20)
         ks = kernel_times(lambda: e2e(ci), 10)
         parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ks.items(), key=lambda kv: -kv[1]))
-        print(f"{n}x{t}x{h} {gate} groups {groups}: eager {eager:.3f} ms, graph {replay:.3f} ms, "
+        print(f"{kern.spec.name} {n}x{t}x{h} {gate} groups {groups}: eager {eager:.3f} ms, graph {replay:.3f} ms, "
               f"host {eager - replay:+.3f} ms | {parts}", flush=True)
 
 

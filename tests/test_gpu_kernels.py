@@ -137,10 +137,11 @@ def test_chunk_against_reference(spec, dtype, groups, record):
     assert rel_err(fin, s_ref) < BF16_TOL
 
 
+@pytest.mark.parametrize("spec", [dict(head_dim=128), dict(head_dim=128, chunk_size=32, block_width=128)])
 @pytest.mark.parametrize("gate,strong", [("softplus", False), ("softplus", True),
                                          ("lower_bound", True)])
-def test_end_to_end_against_token_recurrence(gate, strong, record):
-    kern = kernels(head_dim=128, gate=gate)
+def test_end_to_end_against_token_recurrence(spec, gate, strong, record):
+    kern = kernels(**spec, gate=gate)
     x = make_inputs(lens_varlen(64), 2, 128, gate=gate, strong_decay=strong, seed=11 + strong)
     N = x.cu_seqlens.numel() - 1
     init = torch.randn(N, 2, 128, 128, device=DEV) * 0.1

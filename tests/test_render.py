@@ -146,10 +146,20 @@ def test_default_constexprs():
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
         "kRecurrentWaves": str(resources.RECURRENT_WAVES),
         "kPrologueThreads": str(resources.PROLOGUE_THREADS),
+        "kPrologueMinBlocks": "2",  # 113 KB of LDS: two blocks per SM
         "kScanThreads": str(resources.SCAN_THREADS),
         "kScanRows": str(resources.SCAN_ROWS),
     }
     assert "static constexpr int kHeadDim = 128;" in kernels({})
+
+
+@pytest.mark.parametrize("spec, blocks", [
+    (dict(chunk_size=32, block_width=64), 4),          # 55 KB: four per SM, 64 registers
+    (dict(chunk_size=16, block_width=64), 4),          # capped at 4
+    (dict(target="gfx90a", chunk_size=32, block_width=64), 2),  # one fits the 64 KB: the old hint
+])
+def test_prologue_min_blocks_follow_its_lds(spec, blocks):
+    assert constexprs(kernels(spec))["kPrologueMinBlocks"] == str(blocks)
 
 
 @pytest.mark.parametrize("target, stages, uo", [

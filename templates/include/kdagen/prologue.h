@@ -97,7 +97,7 @@ template <DType Mx> constexpr float kDiagSpan = Mx == DType::kBF16 ? 110.0f : 8.
 constexpr float kDiagMmaMaxBound = 8.0f;
 
 template <class Cfg>
-__global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, 2) prologue_kernel(PrologueArgs a) {
+__global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlocks) prologue_kernel(PrologueArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   using Lay = PrologueLayout<Cfg>;
