@@ -3,11 +3,11 @@
 ``groups.chunk_groups`` guesses the chunk-group count from the grid's shape. The tuner
 measures instead: for a shape class (sequences x heads, chunks per sequence, both rounded
 down to a power of two) it times the chunk scan for every candidate group count on
-synthetic inputs of that class, and, across variants that differ only in block width,
-which block width is fastest end to end. Its choices go to
+synthetic inputs of that class, and, across variants that differ only in block width
+(or in chunk size), which one is fastest end to end. Its choices go to
 ``<cache dir>/tune/<device>.json``; ``fused_kda_chunk`` uses a recorded group count
 whenever one exists for its call (``KDAGEN_GROUPS`` and an explicit ``groups=`` still win),
-and ``kda_forward`` a recorded block width.
+and ``kda_forward`` a recorded chunk size and block width where none is given.
 
 ``kdagen tune`` fills the cache ahead of time; with ``KDAGEN_AUTOTUNE=1`` an unseen shape
 class is tuned on first use (never while capturing a CUDA graph; it allocates about two
@@ -213,6 +213,21 @@ def width_spec_key(spec) -> str:
     return f"{re.sub(r'_bv[0-9]+', '', spec.name)}@{_code_version()}"
 
 
+def choice_spec_key(spec) -> str:
+    """Chunk-size choices compare variants that differ only in chunk size and block width."""
+    return f"{re.sub(r'_c[0-9]+_bv[0-9]+', '', spec.name)}@{_code_version()}"
+
+
+# The chunk-size choice is recorded by chunks of this many tokens per sequence (the same
+# shape class whichever chunk size is measured).
+CHOICE_CHUNK = 64
+
+
+def choice_shape(num_seqs: int, num_heads: int, tokens_per_seq: int) -> "ShapeClass":
+    """The shape class a chunk-size choice is recorded under."""
+    return ShapeClass.of(num_seqs, num_heads, -(-tokens_per_seq // CHOICE_CHUNK))
+
+
 def _disabled() -> bool:
     return os.environ.get("KDAGEN_AUTOTUNE", "").strip().lower() in ("0", "off", "no", "false")
 
@@ -246,6 +261,23 @@ def recorded_block_width(spec, num_seqs: int, num_heads: int, chunks_per_seq: in
     except ValueError:
         return None
     return bv
+
+
+def recorded_chunk_size(spec, num_seqs: int, num_heads: int, tokens_per_seq: int,
+                        device: torch.device) -> int | None:
+    """The tuned chunk size for variants like ``spec``, if one is recorded."""
+    if _disabled() or device.type != "cuda":
+        return None
+    row = _lookup(cache_path(device_tag(device)), choice_spec_key(spec),
+                  choice_shape(num_seqs, num_heads, tokens_per_seq).key())
+    c = row.get("chunk_size") if row else None
+    if not isinstance(c, int) or isinstance(c, bool):
+        return None
+    try:  # a chunk size the validator refuses for this spec is ignored, never fatal
+        type(spec).parse({**spec.canonical(), "chunk_size": c})
+    except ValueError:
+        return None
+    return c
 
 
 def autotune_on_first_use() -> bool:
@@ -320,6 +352,47 @@ def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, rep
     return row
 
 
+def _end_to_end_ms(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, reps: int,
+                   quiet: bool, dev: torch.device) -> float:
+    """Prologue + chunk scan of ``kern`` (at its tuned group count) on synthetic inputs."""
+    g = tune_groups(kern, num_seqs, num_heads, chunks_per_seq, reps=reps, quiet=quiet,
+                    device=dev)["groups"]
+    x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq, dev, seed=1)
+
+    def end_to_end():
+        p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+        return kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
+                                    p["u"], None, x.cu_seqlens, None, True, groups=g)
+
+    with torch.cuda.device(dev):
+        return _time_ms(end_to_end, reps)
+
+
+def tune_chunk_size(kerns: list, num_seqs: int, num_heads: int, tokens_per_seq: int, *,
+                    reps: int = 10, quiet: bool = False, device: torch.device | None = None) -> dict:
+    """End-to-end (prologue + chunk, each at its tuned group count) across variants that
+    differ only in chunk size (and block width), on ``tokens_per_seq`` tokens a sequence;
+    record and return the choice (``kda_forward`` uses it when no chunk size is given)."""
+    keys = {choice_spec_key(k.spec) for k in kerns}
+    if len(keys) != 1 or len({k.spec.chunk_size for k in kerns}) != len(kerns):
+        raise ValueError(f"tune_chunk_size: the variants must differ in chunk_size (and at most "
+                         f"block_width), got {sorted(k.spec.name for k in kerns)}")
+    dev = _gpu(device)
+    shape = choice_shape(num_seqs, num_heads, tokens_per_seq)
+    times = {}
+    for kern in kerns:
+        C = kern.spec.chunk_size
+        times[C] = _end_to_end_ms(kern, num_seqs, num_heads, -(-tokens_per_seq // C), reps, quiet, dev)
+    best = min(times, key=lambda c: (times[c], -c))
+    row = {"chunk_size": best, "ms": {str(c): round(t, 4) for c, t in times.items()},
+           "shape": [num_seqs, num_heads, tokens_per_seq], "date": time.strftime("%Y-%m-%d")}
+    TuneCache(cache_path(device_tag(dev))).put(keys.pop(), shape.key(), row)
+    if not quiet:
+        _say(f"tuned chunk size for {shape.key()} (x{CHOICE_CHUNK} tokens): {best} "
+             f"({', '.join(f'c{c}: {t:.3f} ms' for c, t in times.items())})")
+    return row
+
+
 def tune_block_width(kerns: list, num_seqs: int, num_heads: int, chunks_per_seq: int, *,
                      reps: int = 10, quiet: bool = False, device: torch.device | None = None) -> dict:
     """End-to-end (prologue + chunk, each at its tuned group count) across variants that
@@ -330,20 +403,8 @@ def tune_block_width(kerns: list, num_seqs: int, num_heads: int, chunks_per_seq:
                          f"{sorted(k.spec.name for k in kerns)}")
     dev = _gpu(device)
     shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
-    times = {}
-    for kern in kerns:
-        g = tune_groups(kern, num_seqs, num_heads, chunks_per_seq, reps=reps, quiet=quiet,
-                        device=dev)["groups"]
-        x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq, dev, seed=1)
-
-        def end_to_end(kern=kern, x=x, g=g):
-            p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
-            return kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
-                                        p["u"], None, x.cu_seqlens, None, True, groups=g)
-
-        with torch.cuda.device(dev):
-            times[kern.spec.block_width] = _time_ms(end_to_end, reps)
-        del x
+    times = {kern.spec.block_width: _end_to_end_ms(kern, num_seqs, num_heads, chunks_per_seq,
+                                                   reps, quiet, dev) for kern in kerns}
     best = min(times, key=lambda b: (times[b], -b))
     row = {"block_width": best, "ms": {str(b): round(t, 4) for b, t in times.items()},
            "shape": [num_seqs, num_heads, chunks_per_seq], "date": time.strftime("%Y-%m-%d")}

@@ -1,8 +1,9 @@
 """``kdagen bench``: kdagen's prologue + chunk scan against ``fla.ops.kda.chunk_kda``,
 side by side in one process, on the same inputs, with the roofline beside it.
 
-Per token x head (K = V = D, chunk C: ``--chunk-size``, 64 by default; bf16), counted
-for the two-kernel design:
+Per token x head (K = V = D, chunk C: ``--chunk-size``, by default the size ``kdagen
+tune --chunk-sizes`` recorded for the shape, else 64; bf16), counted for the two-kernel
+design:
   bytes  read q, k, v, g (4 D x 2) + beta (2); prologue writes qg, w, u (3 D x 2),
          aqk (C x 2), kg_t (D x 2); the scan reads them back and writes o (D x 2).
   FLOPs  prologue 4 C D (L, aqk, the triangular solves of w and u) + scan 6 D^2
@@ -32,6 +33,7 @@ class Row:
     shape: str
     gate: str
     token_heads: int
+    chunk: int
     groups: int
     kdagen_ms: float
     prologue_ms: float
@@ -100,8 +102,9 @@ def commit() -> str:
 
 def run(shapes: list[tuple[int, int, int]], reps: int,
         gates: tuple[str, ...] = ("lower_bound", "softplus"),
-        chunk_size: int = 64) -> tuple[list[Row], dict]:
+        chunk_size: int | str = "auto") -> tuple[list[Row], dict]:
     import kdagen
+    from .autotune import recorded_chunk_size
     from .groups import num_compute_units
     from .jit import device_target
     from .testing import make_inputs, rel_err
@@ -115,9 +118,11 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
     target = device_target()
     rows = []
     for gate in gates:
-        kern = kdagen.load({"target": target, "gate": gate, "chunk_size": chunk_size})
-        C = kern.spec.chunk_size
+        base = kdagen.KernelSpec.parse({"target": target, "gate": gate})
         for n, t, h in shapes:
+            C = (int(chunk_size) if chunk_size != "auto"
+                 else recorded_chunk_size(base, n, h, t, torch.device("cuda")) or 64)
+            kern = kdagen.load({"target": target, "gate": gate, "chunk_size": C})
             th = n * t * h
             nsets = max(2, min(4, int(3e9 // (th * 3000)) or 2))
             sets = [make_inputs([t] * n, h, D, gate=gate, seed=s) for s in range(nsets)]
@@ -142,7 +147,7 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
                                      outs[i], None, sets[i].cu_seqlens, inits[i], True)
 
             groups = kern._choose_groups((t + C - 1) // C, n, h, torch.device("cuda"))  # as used
-            row = Row(f"{n}x{t}x{h}", gate, th, groups, time_ms(ours, nsets, reps),
+            row = Row(f"{n}x{t}x{h}", gate, th, C, groups, time_ms(ours, nsets, reps),
                       time_ms(prologue_only, nsets, reps), time_ms(chunk_only, nsets, reps), None,
                       0.0, *traffic(th, C), None)
             if chunk_kda is not None:
@@ -171,12 +176,12 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
     meta = dict(
         date=time.strftime("%Y-%m-%d"), commit=commit(), gpu=torch.cuda.get_device_name(),
         torch=torch.__version__, copy_gbps=bw / 1e9, bf16_tflops=rate / 1e12,
-        cus=num_compute_units(torch.device("cuda")), chunk=chunk_size,
+        cus=num_compute_units(torch.device("cuda")), chunk=str(chunk_size),
     )
     return rows, meta
 
 
-HEADER = ("| shape N x T x H | gate | groups | kdagen ms | prologue ms | chunk ms | FLA ms | "
+HEADER = ("| shape N x T x H | gate | chunk | groups | kdagen ms | prologue ms | chunk ms | FLA ms | "
           "speed-up | floor ms | kdagen GB/s | kdagen TFLOP/s | err vs FLA |")
 
 
@@ -184,15 +189,20 @@ def _line(r: Row) -> str:
     fla = f"{r.fla_ms:.3f}" if r.fla_ms else "n/a"
     sp = f"{r.fla_ms / r.kdagen_ms:.2f}x" if r.fla_ms else "n/a"
     err = f"{r.err_vs_fla:.1e}" if r.err_vs_fla is not None else "n/a"
-    return (f"| {r.shape} | {r.gate} | {r.groups} | {r.kdagen_ms:.3f} | {r.prologue_ms:.3f} | "
+    return (f"| {r.shape} | {r.gate} | {r.chunk} | {r.groups} | {r.kdagen_ms:.3f} | {r.prologue_ms:.3f} | "
             f"{r.chunk_ms:.3f} | {fla} | {sp} | {r.floor_ms:.3f} | "
             f"{r.bytes / r.kdagen_ms / 1e6:.0f} | {r.flops / r.kdagen_ms / 1e9:.1f} | {err} |")
+
+
+def _chunk_note(chunk: str) -> str:
+    return "tuned by `kdagen tune --chunk-sizes`, else 64" if chunk == "auto" else f"fixed: {chunk}"
 
 
 def table(rows: list[Row], meta: dict) -> str:
     head = (f"{meta['date']}, commit {meta['commit']}, {meta['gpu']} ({meta['cus']} SMs), torch "
             f"{meta['torch']}; measured copy {meta['copy_gbps']:.0f} GB/s, bf16 matmul "
-            f"{meta['bf16_tflops']:.0f} TFLOP/s. bf16, K = V = 128, chunk {meta.get('chunk', 64)}, fp32 initial "
+            f"{meta['bf16_tflops']:.0f} TFLOP/s. bf16, K = V = 128, kdagen's chunk size per row ("
+            f"{_chunk_note(meta.get('chunk', 'auto'))}), FLA's 64, fp32 initial "
             "state in, final state out; median of CUDA-event timings.")
     sep = "|" + "---|" * (HEADER.count("|") - 1)
     return "\n".join([head, "", HEADER, sep, *(_line(r) for r in rows)])
@@ -227,7 +237,7 @@ def main(ns: argparse.Namespace) -> int:
         return 1
     gates = tuple(g.strip() for g in (ns.gates or "lower_bound,softplus").split(","))
     rows, meta = run(parse_shapes(ns.shapes or DEFAULT_SHAPES), ns.reps, gates,
-                     getattr(ns, "chunk_size", 64))
+                     getattr(ns, "chunk_size", "auto"))
     text = table(rows, meta)
     print()
     print(text)

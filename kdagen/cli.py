@@ -7,7 +7,8 @@
     kdagen targets                                           the GPUs kdagen knows
     kdagen cache list|clear                                  the build cache
     kdagen bench [...]                                       kdagen vs fla.ops.kda.chunk_kda (GPU)
-    kdagen tune [SPEC.yaml] [--block-widths ...] [--show]    measure group counts / block widths (GPU)
+    kdagen tune [SPEC.yaml] [--block-widths | --chunk-sizes ...] [--show]
+                                                             measure group counts / widths / chunk sizes (GPU)
 
 Errors are one paragraph and a non-zero exit, never a traceback.
 """
@@ -173,23 +174,36 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         widths = [int(w) for w in ns.block_widths.split(",") if w.strip()] if ns.block_widths else []
     except ValueError:
         raise ValueError(f"--block-widths must be comma separated integers, got {ns.block_widths!r}") from None
+    try:
+        chunks = [int(c) for c in ns.chunk_sizes.split(",") if c.strip()] if ns.chunk_sizes else []
+    except ValueError:
+        raise ValueError(f"--chunk-sizes must be comma separated integers, got {ns.chunk_sizes!r}") from None
+    if widths and chunks:
+        raise ValueError("--block-widths and --chunk-sizes are tuned in separate runs: pass one")
+    if len(set(chunks)) != len(chunks) or len(chunks) == 1:
+        raise ValueError(f"--chunk-sizes needs two or more different sizes, got {ns.chunk_sizes!r}")
     gates = ([g.strip() for g in ns.gates.split(",") if g.strip()] if ns.gates
              else [base.gate if base else "softplus"])
     from .spec import KernelSpec
 
-    for gate in gates:  # refuse a bad gate or width before anything is timed
+    for gate in gates:  # refuse a bad gate, width or chunk size before anything is timed
         for w in widths or [None]:
-            KernelSpec.parse((base.canonical() if base else {}) | {"target": device_target(), "gate": gate}
-                             | ({"block_width": w} if w else {}))
+            for c in chunks or [None]:
+                KernelSpec.parse((base.canonical() if base else {}) | {"target": device_target(), "gate": gate}
+                                 | ({"block_width": w} if w else {}) | ({"chunk_size": c} if c else {}))
     for gate in gates:
         for n, t, h in parse_shapes(ns.shapes or DEFAULT_SHAPES):
             fields = (base.canonical() if base else {}) | {"target": device_target(), "gate": gate}
-            chunks = -(-t // fields.get("chunk_size", 64))
+            if chunks:
+                kerns = [kdagen.load(fields | {"chunk_size": c}) for c in chunks]
+                autotune.tune_chunk_size(kerns, n, h, t, reps=ns.reps)
+                continue
+            chunks_per_seq = -(-t // fields.get("chunk_size", 64))
             if widths:
                 kerns = [kdagen.load(fields | {"block_width": w}) for w in widths]
-                autotune.tune_block_width(kerns, n, h, chunks, reps=ns.reps)
+                autotune.tune_block_width(kerns, n, h, chunks_per_seq, reps=ns.reps)
             else:
-                autotune.tune_groups(kdagen.load(fields), n, h, chunks, reps=ns.reps)
+                autotune.tune_groups(kdagen.load(fields), n, h, chunks_per_seq, reps=ns.reps)
     return 0
 
 
@@ -260,8 +274,9 @@ def parser() -> argparse.ArgumentParser:
     bn.add_argument("--shapes", help="comma separated NxT:H list, e.g. 1x32768:32,8x4096:32")
     bn.add_argument("--reps", type=int, default=50, help="timed repetitions per shape")
     bn.add_argument("--gates", help="gate forms to time, comma separated (default lower_bound,softplus)")
-    bn.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64],
-                    help="kdagen's chunk size (default 64; FLA's is 64)")
+    bn.add_argument("--chunk-size", default="auto", choices=["auto", "16", "32", "64"],
+                    help="kdagen's chunk size: auto (default) takes the one `kdagen tune "
+                         "--chunk-sizes` recorded for each shape, else 64 (FLA's)")
     bn.add_argument("--markdown", help="write the result table to this markdown file")
     bn.add_argument("--plot", help="write a PNG plot here")
     bn.add_argument("--json", help="write raw results here")
@@ -277,6 +292,9 @@ def parser() -> argparse.ArgumentParser:
     tu.add_argument("--shapes", help="comma separated NxT:H list (default: the bench shapes)")
     tu.add_argument("--block-widths", help="also pick the fastest of these block widths, e.g. "
                                            "32,64,128 (builds each variant)")
+    tu.add_argument("--chunk-sizes", help="instead pick the fastest of these chunk sizes end to "
+                                          "end, e.g. 16,32,64 (builds each variant; kda_forward and "
+                                          "kdagen bench use the choice)")
     tu.add_argument("--gates", help="gate forms, comma separated (default: the spec's)")
     tu.add_argument("--reps", type=int, default=10, help="timed repetitions per candidate")
     tu.add_argument("--show", action="store_true", help="print this GPU's recorded choices")

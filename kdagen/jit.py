@@ -92,6 +92,14 @@ def for_inputs(head_dim: int, dtype: torch.dtype, device: torch.device, *, lower
                conv_width: int = 0, chunk_size: int = 64, block_width: int | None = None) -> Kernels:
     """The variant that fits a call: head dim, io dtype and gate form from the inputs,
     target from the device."""
+    return load(spec_for_inputs(head_dim, dtype, device, lower_bound=lower_bound,
+                                conv_width=conv_width, chunk_size=chunk_size, block_width=block_width))
+
+
+def spec_for_inputs(head_dim: int, dtype: torch.dtype, device: torch.device, *,
+                    lower_bound: float | None, conv_width: int = 0, chunk_size: int = 64,
+                    block_width: int | None = None) -> KernelSpec:
+    """The spec ``for_inputs`` loads (nothing is built)."""
     io = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype)
     if io is None:
         raise TypeError(f"kdagen: inputs must be bf16, fp16 or fp32, got {dtype}")
@@ -101,4 +109,4 @@ def for_inputs(head_dim: int, dtype: torch.dtype, device: torch.device, *, lower
     )
     if block_width is not None:
         fields["block_width"] = block_width
-    return load(KernelSpec.parse(fields))
+    return KernelSpec.parse(fields)

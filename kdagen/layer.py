@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import autotune
-from .jit import for_inputs
+from .jit import for_inputs, spec_for_inputs
 from .seqlens import SeqLens
 
 
@@ -28,7 +28,7 @@ def kda_forward(
     *,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     groups: int | None = None,
     block_width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -41,8 +41,9 @@ def kda_forward(
     here); kdagen's kernels keep the state V-first, so ``state_v_first=False`` (FLA's
     default ``[N, H, K, V]``) is an error rather than a silent transpose. The l2 norms,
     the gate (softplus form, or lower-bound form when ``lower_bound`` is given) and the
-    beta sigmoid always run in kernel. ``block_width`` picks the chunk scan's variant;
-    left out, a width tuned for this shape (``kdagen tune``) is used where one is recorded.
+    beta sigmoid always run in kernel. ``chunk_size`` and ``block_width`` pick the
+    variant; left out, the ones tuned for this shape (``kdagen tune --chunk-sizes``,
+    ``--block-widths``) are used where recorded, else chunk 64 and the spec's width.
     """
     if not state_v_first:
         raise ValueError("kda_forward: state_v_first=False is not supported: kdagen keeps the "
@@ -74,6 +75,14 @@ def kda_forward(
             raise TypeError(f"kda_forward: argument 'initial_state' must be float32, got "
                             f"{initial_state.dtype}")
         initial_state = initial_state.contiguous()
+    if chunk_size is None:
+        chunk_size = 64
+        if not torch.compiler.is_compiling():  # the chunk size tuned for this shape, if any
+            spec = spec_for_inputs(K, q.dtype, q.device, lower_bound=lower_bound,
+                                   block_width=block_width)
+            total = q.shape[1]
+            tuned = autotune.recorded_chunk_size(spec, N, H, -(-total // max(N, 1)), q.device)
+            chunk_size = tuned or chunk_size
     kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size,
                       block_width=block_width)
     pro = kern.fused_kda_prologue(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens)

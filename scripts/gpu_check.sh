@@ -3,7 +3,7 @@
 # tests need (one ninja graph, in parallel), run the GPU tests, run the benchmark,
 # and print a short table last.
 #
-#   bash scripts/gpu_check.sh [quick]      # quick: tests only, no benchmark
+#   bash scripts/gpu_check.sh [quick|bench]   # quick: tests only; bench: tune + benchmark only
 #
 # KDAGEN_GPU_TESTS narrows the test files, KDAGEN_SANITIZE=0 skips compute-sanitizer,
 # KDAGEN_SANITIZE_TOOLS picks its tools, KDAGEN_BENCH_REPS / _GATES shape the benchmark.
@@ -27,8 +27,8 @@ t0=$(date +%s)
 python3 -m kdagen.cli variants examples/gpu_grid.yaml 2>&1 | tail -n 5 | tee "$LOGS/build.log"
 build_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
-tests_rc=1
-if [ "$build_rc" = 0 ]; then
+tests_rc=1; [ "${1:-}" = bench ] && tests_rc=skipped
+if [ "$build_rc" = 0 ] && [ "${1:-}" != bench ]; then
   KDAGEN_RECORD="$OUT/errors.jsonl" python3 -m pytest ${KDAGEN_GPU_TESTS:-tests/test_gpu_kernels.py tests/test_gpu_torch.py tests/test_gpu_stress.py tests/test_gpu_builds.py} -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$LOGS/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
   python3 examples/prefill_decode.py 2>&1 | tee "$LOGS/examples.log"; python3 examples/kda_layer.py 2>&1 | tee -a "$LOGS/examples.log"
@@ -36,7 +36,7 @@ if [ "$build_rc" = 0 ]; then
 fi
 t2=$(date +%s)
 san_rc=skipped
-if [ "${KDAGEN_SANITIZE:-1}" = 1 ] && [ "$build_rc" = 0 ] && command -v compute-sanitizer >/dev/null; then
+if [ "${KDAGEN_SANITIZE:-1}" = 1 ] && [ "$build_rc" = 0 ] && [ "${1:-}" != bench ] && command -v compute-sanitizer >/dev/null; then
   san_rc=""
   for tool in ${KDAGEN_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     timeout 110 compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
@@ -48,8 +48,10 @@ fi
 bench_rc=skipped
 tune_rc=skipped
 if [ "${1:-}" != quick ] && [ "$build_rc" = 0 ]; then
-  # measured group counts for the bench shapes into this GPU's autotune cache (used below)
-  python3 -m kdagen.cli tune --gates lower_bound,softplus --reps 10 2>&1 | tee "$LOGS/tune.log"
+  # measured chunk sizes (and each one's group counts) for the bench shapes into this
+  # GPU's autotune cache (used below)
+  python3 -m kdagen.cli tune --gates lower_bound,softplus --chunk-sizes "${KDAGEN_TUNE_CHUNKS:-16,32,64}" \
+    --reps 10 2>&1 | tee "$LOGS/tune.log"
   tune_rc=${PIPESTATUS[0]}
   python3 -m kdagen.cli bench --reps "${KDAGEN_BENCH_REPS:-30}" --gates "${KDAGEN_BENCH_GATES:-lower_bound,softplus}" --markdown "$OUT/bench.md" \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$LOGS/bench.log"

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Profile the prologue and the chunk scan with Nsight Compute on one bench shape
 # (built with -lineinfo so the source page maps SASS to template lines).
-#   bash scripts/profile.sh [shape] [gate]      e.g. 1x32768:32 lower_bound
+#   bash scripts/profile.sh [shape] [gate] [chunk] [width]   e.g. 1x32768:32 lower_bound 32 128
 # Writes $OUT/{prologue,chunk}.ncu-rep, details_*.txt and sass_*.csv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdagen-out}; mkdir -p "$OUT"
 source scripts/carried_wheels.sh
 export KDAGEN_CACHE_DIR=${KDAGEN_CACHE_DIR:-/tmp/kdagen-cache} KDAGEN_DEVICE_FLAGS=-lineinfo
-shape=${1:-1x32768:32}; gate=${2:-lower_bound}
-python3 scripts/profile_kernels.py "$shape" "$gate" || exit 1
+shape=${1:-1x32768:32}; gate=${2:-lower_bound}; chunk=${3:-64}; width=${4:-128}
+python3 scripts/profile_kernels.py "$shape" "$gate" "$chunk" "$width" || exit 1
 for k in prologue_kernel chunk_kernel; do
   name=${k%_kernel}
   ncu --clock-control none -k "regex:$k" --launch-skip 1 --launch-count 1 --set full \
-    --import-source yes -f -o "$OUT/$name" python3 scripts/profile_kernels.py "$shape" "$gate" \
+    --import-source yes -f -o "$OUT/$name" python3 scripts/profile_kernels.py "$shape" "$gate" "$chunk" "$width" \
     > "$OUT/ncu_$name.log" 2>&1 || tail -n 20 "$OUT/ncu_$name.log"
   ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1
   ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_$name.csv" 2>&1

@@ -138,6 +138,77 @@ def test_recorded_block_width_the_validator_refuses_is_ignored(cache, bad):
     assert at.recorded_block_width(spec(), 1, 32, 512, CUDA0) is None
 
 
+def test_recorded_chunk_size_is_shared_across_chunks_and_widths(cache):
+    assert at.choice_spec_key(spec(chunk_size=32, block_width=64)) == at.choice_spec_key(spec())
+    assert at.choice_spec_key(spec(gate="lower_bound")) != at.choice_spec_key(spec())
+    assert at.choice_shape(1, 32, 32768).key() == "nh32-c512"  # by 64-token chunks
+    at.TuneCache(cache).put(at.choice_spec_key(spec()), "nh32-c512", {"chunk_size": 32})
+    assert at.recorded_chunk_size(spec(chunk_size=16), 1, 32, 32768, CUDA0) == 32
+    assert at.recorded_chunk_size(spec(), 1, 32, 32768 + 100, CUDA0) == 32  # same class
+    assert at.recorded_chunk_size(spec(), 1, 32, 30000, CUDA0) is None  # 469 chunks: 256
+    assert at.recorded_chunk_size(spec(), 1, 32, 32768, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("bad", [48, 0, 128, True, "32", None])
+def test_recorded_chunk_size_the_validator_refuses_is_ignored(cache, bad):
+    at.TuneCache(cache).put(at.choice_spec_key(spec()), "nh32-c512", {"chunk_size": bad})
+    assert at.recorded_chunk_size(spec(), 1, 32, 32768, CUDA0) is None
+
+
+class _FakeKernels:
+    def __init__(self, **fields):
+        self.spec = spec(**fields)
+
+
+def test_tune_chunk_size_records_the_fastest(cache, monkeypatch):
+    ms = {16: 1.8, 32: 1.9, 64: 2.6}
+    seen = []
+
+    def fake(kern, n, h, chunks, reps, quiet, dev):
+        seen.append((kern.spec.chunk_size, chunks))
+        return ms[kern.spec.chunk_size]
+
+    monkeypatch.setattr(at, "_end_to_end_ms", fake)
+    kerns = [_FakeKernels(chunk_size=c) for c in (16, 32, 64)]
+    row = at.tune_chunk_size(kerns, 8, 32, 4096, quiet=True, device=CUDA0)
+    assert row["chunk_size"] == 16 and seen == [(16, 256), (32, 128), (64, 64)]
+    assert at.recorded_chunk_size(spec(), 8, 32, 4096, CUDA0) == 16
+
+
+def test_tune_chunk_size_refuses_variants_that_differ_otherwise(cache):
+    with pytest.raises(ValueError, match="differ in chunk_size"):
+        at.tune_chunk_size([_FakeKernels(chunk_size=32), _FakeKernels(gate="lower_bound")],
+                           1, 32, 4096, device=CUDA0)
+    with pytest.raises(ValueError, match="differ in chunk_size"):
+        at.tune_chunk_size([_FakeKernels(), _FakeKernels(block_width=64)], 1, 32, 4096, device=CUDA0)
+
+
+def test_kda_forward_takes_the_recorded_chunk_size(monkeypatch):
+    from kdagen import layer
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def for_inputs(*a, chunk_size, **k):
+        asked.append(chunk_size)
+        raise Stop
+
+    monkeypatch.setattr(layer, "for_inputs", for_inputs)
+    monkeypatch.setattr(layer, "spec_for_inputs", lambda *a, **k: spec())
+    monkeypatch.setattr(at, "recorded_chunk_size", lambda s, n, h, t, dev: 32 if t == 4096 else None)
+    x = torch.randn(2, 4096, 1, 64)
+    raw = dict(A_log=torch.zeros(1), dt_bias=torch.zeros(64))
+    for chunk_size, want in ((None, 32), (16, 16)):
+        with pytest.raises(Stop):
+            layer.kda_forward(x, x, x, x, x[..., 0], chunk_size=chunk_size, **raw)
+        assert asked.pop() == want
+    with pytest.raises(Stop):  # nothing recorded for the shape: 64
+        layer.kda_forward(x[:, :100], x[:, :100], x[:, :100], x[:, :100], x[:, :100, :, 0], **raw)
+    assert asked.pop() == 64
+
+
 def test_keys_carry_the_kernel_version():
     assert at.chunk_spec_key(spec()).endswith("@" + at._code_version())
     assert at.width_spec_key(spec()).endswith("@" + at._code_version())
@@ -239,6 +310,11 @@ def test_cli_tune_without_a_gpu_is_a_clear_error(capsys):
     (["--block-widths", "32,x"], "--block-widths"),
     (["--gates", "lower_bound, sigmoid"], "gate"),
     (["--block-widths", "48"], "block_width"),
+    (["--chunk-sizes", "16,x"], "--chunk-sizes"),
+    (["--chunk-sizes", "32"], "two or more"),
+    (["--chunk-sizes", "32,32"], "two or more"),
+    (["--chunk-sizes", "16,48"], "chunk_size"),
+    (["--chunk-sizes", "16,32", "--block-widths", "64,128"], "separate runs"),
 ])
 def test_cli_tune_refuses_bad_arguments_before_timing(monkeypatch, capsys, args, message):
     from kdagen import cli
@@ -246,5 +322,6 @@ def test_cli_tune_refuses_bad_arguments_before_timing(monkeypatch, capsys, args,
     monkeypatch.setattr("kdagen.jit.device_target", lambda device=None: "sm_90")
     monkeypatch.setattr(at, "tune_groups", lambda *a, **k: pytest.fail("timed a bad request"))
     monkeypatch.setattr(at, "tune_block_width", lambda *a, **k: pytest.fail("timed a bad request"))
+    monkeypatch.setattr(at, "tune_chunk_size", lambda *a, **k: pytest.fail("timed a bad request"))
     assert cli.main(["tune", *args]) == 1
     assert message in capsys.readouterr().err

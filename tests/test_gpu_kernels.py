@@ -137,7 +137,8 @@ def test_chunk_against_reference(spec, dtype, groups, record):
     assert rel_err(fin, s_ref) < BF16_TOL
 
 
-@pytest.mark.parametrize("spec", [dict(head_dim=128), dict(head_dim=128, chunk_size=32, block_width=128)])
+@pytest.mark.parametrize("spec", [dict(head_dim=128), dict(head_dim=128, chunk_size=32, block_width=128),
+                                  dict(head_dim=128, chunk_size=16, block_width=128)])
 @pytest.mark.parametrize("gate,strong", [("softplus", False), ("softplus", True),
                                          ("lower_bound", True)])
 def test_end_to_end_against_token_recurrence(spec, gate, strong, record):

@@ -1,0 +1,23 @@
+"""The benchmark's counting and its table, on CPU (timing needs a GPU: `kdagen bench`)."""
+
+from kdagen import bench
+
+
+def test_traffic_counts_the_chunk_sized_aqk():
+    b64, f64 = bench.traffic(1, 64)
+    b32, f32 = bench.traffic(1, 32)
+    assert b64 - b32 == 2 * 32 * 2  # aqk: written once and read once, C x 2 bytes
+    assert f64 - f32 == 5 * 32 * 128  # 4 C D (prologue) + C D (aqk v_new)
+    assert bench.traffic(1000, 64) == (1000 * b64, 1000 * f64)
+
+
+def test_table_names_each_rows_chunk_size():
+    row = bench.Row("8x4096x32", "softplus", 8 * 4096 * 32, 16, 1, 1.7, 1.1, 0.6, 4.2, 0.9,
+                    *bench.traffic(8 * 4096 * 32, 16), 6e-3)
+    meta = dict(date="2026-12-03", commit="abc", gpu="GPU", cus=132, torch="2.11", copy_gbps=4200,
+                bf16_tflops=795, chunk="auto")
+    text = bench.table([row], meta)
+    header, sep, line = text.splitlines()[2:]
+    assert header.split("|")[3].strip() == "chunk" and line.split("|")[3].strip() == "16"
+    assert header.count("|") == line.count("|") == sep.count("|")
+    assert "2.47x" in line and "tuned by `kdagen tune --chunk-sizes`" in text
