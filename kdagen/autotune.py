@@ -368,6 +368,19 @@ def _end_to_end_ms(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, rep
         return _time_ms(end_to_end, reps)
 
 
+def _record_fastest(field: str, tag: str, times: dict[int, float], spec_key: str, shape: ShapeClass,
+                    shape_list: list[int], dev: torch.device, quiet: bool) -> dict:
+    """Record the fastest of ``times`` (ties: the larger value) as ``field``; return the row."""
+    best = min(times, key=lambda v: (times[v], -v))
+    row = {field: best, "ms": {str(v): round(t, 4) for v, t in times.items()},
+           "shape": shape_list, "date": time.strftime("%Y-%m-%d")}
+    TuneCache(cache_path(device_tag(dev))).put(spec_key, shape.key(), row)
+    if not quiet:
+        _say(f"tuned {field.replace('_', ' ')} for {shape.key()}: {best} "
+             f"({', '.join(f'{tag}{v}: {t:.3f} ms' for v, t in times.items())})")
+    return row
+
+
 def tune_chunk_size(kerns: list, num_seqs: int, num_heads: int, tokens_per_seq: int, *,
                     reps: int = 10, quiet: bool = False, device: torch.device | None = None) -> dict:
     """End-to-end (prologue + chunk, each at its tuned group count) across variants that
@@ -383,14 +396,8 @@ def tune_chunk_size(kerns: list, num_seqs: int, num_heads: int, tokens_per_seq: 
     for kern in kerns:
         C = kern.spec.chunk_size
         times[C] = _end_to_end_ms(kern, num_seqs, num_heads, -(-tokens_per_seq // C), reps, quiet, dev)
-    best = min(times, key=lambda c: (times[c], -c))
-    row = {"chunk_size": best, "ms": {str(c): round(t, 4) for c, t in times.items()},
-           "shape": [num_seqs, num_heads, tokens_per_seq], "date": time.strftime("%Y-%m-%d")}
-    TuneCache(cache_path(device_tag(dev))).put(keys.pop(), shape.key(), row)
-    if not quiet:
-        _say(f"tuned chunk size for {shape.key()} (x{CHOICE_CHUNK} tokens): {best} "
-             f"({', '.join(f'c{c}: {t:.3f} ms' for c, t in times.items())})")
-    return row
+    return _record_fastest("chunk_size", "c", times, keys.pop(), shape,
+                           [num_seqs, num_heads, tokens_per_seq], dev, quiet)
 
 
 def tune_block_width(kerns: list, num_seqs: int, num_heads: int, chunks_per_seq: int, *,
@@ -405,11 +412,5 @@ def tune_block_width(kerns: list, num_seqs: int, num_heads: int, chunks_per_seq:
     shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
     times = {kern.spec.block_width: _end_to_end_ms(kern, num_seqs, num_heads, chunks_per_seq,
                                                    reps, quiet, dev) for kern in kerns}
-    best = min(times, key=lambda b: (times[b], -b))
-    row = {"block_width": best, "ms": {str(b): round(t, 4) for b, t in times.items()},
-           "shape": [num_seqs, num_heads, chunks_per_seq], "date": time.strftime("%Y-%m-%d")}
-    TuneCache(cache_path(device_tag(dev))).put(keys.pop(), shape.key(), row)
-    if not quiet:
-        _say(f"tuned block width for {shape.key()}: {best} "
-             f"({', '.join(f'bv{b}: {t:.3f} ms' for b, t in times.items())})")
-    return row
+    return _record_fastest("block_width", "bv", times, keys.pop(), shape,
+                           [num_seqs, num_heads, chunks_per_seq], dev, quiet)
