@@ -17,7 +17,7 @@ IO_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 PAD_16BIT = 8
 PAD_FP32 = 4
 
-PROLOGUE_THREADS = 256
+PROLOGUE_THREADS = 256  # per prologue block; 128 at chunk 16 (prologue_threads)
 RECURRENT_ROWS_PER_BLOCK = 16
 RECURRENT_WAVES = 4
 SCAN_THREADS = 256
@@ -33,6 +33,12 @@ class Footprint:
     shared_mem: int
 
 
+def prologue_threads(chunk_size: int) -> int:
+    """Threads of a prologue block: 256, or 128 for a 16-row chunk (one block pair: half
+    the waves would idle in its products and solve; twice the blocks share an SM)."""
+    return 128 if chunk_size == 16 else PROLOGUE_THREADS
+
+
 def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str,
                        stage_q: bool = False, planar: bool = False) -> Footprint:
     """G (fp32, later reused for L) + k (io dtype) [+ q] + three per-row fp32 vectors;
@@ -45,9 +51,9 @@ def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str,
     if planar:
         nb = c // 16
         scales = nb * (nb - 1) // 2 + nb
-        return Footprint(PROLOGUE_THREADS,
+        return Footprint(prologue_threads(c),
                          g_plane + 4 * row_plane + 3 * c * 4 + 2 * nb * d * 4 + scales * d * 4 + 16)
-    return Footprint(PROLOGUE_THREADS, g_plane + (2 if stage_q else 1) * row_plane + 3 * c * 4)
+    return Footprint(prologue_threads(c), g_plane + (2 if stage_q else 1) * row_plane + 3 * c * 4)
 
 
 def prologue_stages_q(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> bool:
@@ -63,7 +69,7 @@ def prologue_planar(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: i
     c, d = chunk_size, head_dim
     in_g = c * (c + PAD_FP32) * 4 + c * (c + PAD_16BIT) * 2 <= c * (d + PAD_FP32) * 4
     # its elementwise passes take the chunk's 16-byte pieces evenly, every thread busy
-    even = (c * d // 8) % PROLOGUE_THREADS == 0
+    even = (c * d // 8) % prologue_threads(c) == 0
     return in_g and even and prologue_footprint(d, c, io_dtype, planar=True).shared_mem <= shared_mem
 
 
@@ -74,12 +80,12 @@ def prologue_shared_mem(head_dim: int, chunk_size: int, io_dtype: str, shared_me
     return prologue_footprint(head_dim, chunk_size, io_dtype, stage_q, planar).shared_mem
 
 
-def prologue_min_blocks(shared_mem_bytes: int, cu_smem: int, reserve: int) -> int:
+def prologue_min_blocks(shared_mem_bytes: int, cu_smem: int, reserve: int,
+                        threads: int = PROLOGUE_THREADS) -> int:
     """Prologue workgroups the launch bound asks to keep resident per compute unit: as
-    many as its LDS lets share one (at 256 threads: 4 leave 64 registers a lane on
-    sm_90, 128 VGPRs on CDNA), never below 2 (the hint of every variant before) nor
-    above 4."""
-    return max(2, min(4, cu_smem // (shared_mem_bytes + reserve)))
+    many as its LDS lets share one, up to 1024 threads (64 registers a lane on sm_90,
+    128 VGPRs on CDNA), never below 2 (the hint of every variant before)."""
+    return max(2, min(1024 // threads, cu_smem // (shared_mem_bytes + reserve)))
 
 
 def chunk_footprint(

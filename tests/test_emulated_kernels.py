@@ -65,6 +65,9 @@ PREFILL = [
     (dict(head_dim=128, chunk_size=64, target="gfx942"), torch.bfloat16),
     (dict(head_dim=64, chunk_size=32, block_width=32, target="gfx942"), torch.bfloat16),
     (dict(head_dim=128, chunk_size=64, block_width=64, target="gfx950"), torch.bfloat16),
+    # chunk 16: 128-thread prologue blocks (one diagonal block), 8 resident per SM
+    (dict(head_dim=128, chunk_size=16, gate="lower_bound", target="sm_90"), torch.bfloat16),
+    (dict(head_dim=64, chunk_size=16, block_width=64, io_dtype="fp16", target="gfx90a"), torch.float16),
 ]
 
 

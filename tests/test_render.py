@@ -153,13 +153,15 @@ def test_default_constexprs():
     assert "static constexpr int kHeadDim = 128;" in kernels({})
 
 
-@pytest.mark.parametrize("spec, blocks", [
-    (dict(chunk_size=32, block_width=64), 4),          # 55 KB: four per SM, 64 registers
-    (dict(chunk_size=16, block_width=64), 4),          # capped at 4
-    (dict(target="gfx90a", chunk_size=32, block_width=64), 2),  # one fits the 64 KB: the old hint
+@pytest.mark.parametrize("spec, threads, blocks", [
+    (dict(chunk_size=32, block_width=64), 256, 4),   # 55 KB: four per SM, 64 registers
+    (dict(chunk_size=16, block_width=64), 128, 8),   # 28 KB, half the threads: eight
+    (dict(target="gfx90a", chunk_size=32, block_width=64), 256, 2),  # one fits the 64 KB: the old hint
+    (dict(target="gfx90a", chunk_size=16, block_width=64), 128, 2),
 ])
-def test_prologue_min_blocks_follow_its_lds(spec, blocks):
-    assert constexprs(kernels(spec))["kPrologueMinBlocks"] == str(blocks)
+def test_prologue_block_size_and_min_blocks_follow_its_lds(spec, threads, blocks):
+    c = constexprs(kernels(spec))
+    assert (c["kPrologueThreads"], c["kPrologueMinBlocks"]) == (str(threads), str(blocks))
 
 
 @pytest.mark.parametrize("target, stages, uo", [

@@ -478,7 +478,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     }
     {
       const int r = tid / 16 % 16, c = tid % 16;  // this thread's entry of a 16 x 16 block
-      static_assert(NT >= 256, "one thread per entry of a 16 x 16 block");
+      static_assert(NB == 1 || NT >= 256, "one thread per entry of a 16 x 16 block");
       const bool act = tid < 256;
 #pragma unroll
       for (int i = 1; i < NB; ++i) {
