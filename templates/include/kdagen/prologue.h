@@ -238,7 +238,14 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     if constexpr (Cfg::kStageQ) return pair16(Qs, i, d);
     else return make_float2(input(0, i, d), input(0, i, d + 1));
   };
-  auto g2 = [&](int i, int d) { return *reinterpret_cast<const float2*>(Gs + i * LDG + d); };
+  // G plane column of channel d. Planar path: in pieces 4..7 of every 8 (8 floats each) the
+  // two float4 halves swap places, d -> d ^ (bit 5 of d moved to bit 2), so that the 8 lanes
+  // of a quarter warp reading 8 neighbouring pieces one half at a time hit 8 different
+  // 16-byte bank groups (unswizzled: two lanes each). A permutation within aligned groups
+  // of 8 columns: column-wise readers stay conflict-free. Identity elsewhere. Pv (2^G of a
+  // block's first row) is laid out the same way.
+  auto gcol = [](int d) { return Lay::kPlanar ? d ^ ((d >> 3) & 4) : d; };
+  auto g2 = [&](int i, int d) { return *reinterpret_cast<const float2*>(Gs + i * LDG + gcol(d)); };
 
   // ---- phase 1: k (and q) rows, beta, the gate; then norms and the cumulative gate -----
   // Every global load of the chunk is issued here, before anything waits on one (k and q
@@ -293,9 +300,9 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         const float x = gate_log2<Cfg::kLowerBound>(raw8[j] + bs[j], a_exp, a.lower_bound);
         gv[j] = in ? x : 0.0f;
       }
-      float4* dst = reinterpret_cast<float4*>(Gs + i * LDG + c);
-      dst[0] = make_float4(gv[0], gv[1], gv[2], gv[3]);
-      dst[1] = make_float4(gv[4], gv[5], gv[6], gv[7]);
+      float* row = Gs + i * LDG;
+      *reinterpret_cast<float4*>(row + gcol(c)) = make_float4(gv[0], gv[1], gv[2], gv[3]);
+      *reinterpret_cast<float4*>(row + gcol(c + 4)) = make_float4(gv[4], gv[5], gv[6], gv[7]);
     }
   }
   async::wait<0>();  // this thread's k / q copies have landed; the barrier publishes them
@@ -306,7 +313,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     constexpr int SEG = NT >= D ? NT / D : 1, RUN = C / SEG;
     static_assert(C % SEG == 0, "the cumsum runs must tile the chunk");
     for (int e = tid; e < D * SEG; e += NT) {
-      const int d = e % D, r0 = (e / D) * RUN;
+      const int d = gcol(e % D), r0 = (e / D) * RUN;
       float acc = 0.0f;
 #pragma unroll
       for (int i = 0; i < RUN; ++i) {
@@ -317,7 +324,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     __syncthreads();
     if constexpr (SEG > 1) {
       static_assert(D * SEG == NT, "one (column, run) per thread");
-      const int d = tid % D, sg = tid / D;
+      const int d = gcol(tid % D), sg = tid / D;
       float off = 0.0f;
       for (int p = 0; p < sg; ++p) off += Gs[((p + 1) * RUN - 1) * LDG + d];
       __syncthreads();  // every run total is read before any is changed
@@ -409,7 +416,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       const bool in = d < D;
       qi[e] = in ? qval(i, d) : 0.0f;
       ki[e] = in ? to_float<Io>(Ks[i * LDK + d]) : 0.0f;
-      gi[e] = in ? Gs[i * LDG + d] : 0.0f;
+      gi[e] = in ? Gs[i * LDG + gcol(d)] : 0.0f;
     }
     float myQ = 0.0f;
     for (int j = b0; j <= i; ++j) {
@@ -418,7 +425,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       for (int e = 0; e < PER; ++e) {
         const int d = lane + e * kWaveSize;
         if (d < D) {
-          const float kj = to_float<Io>(Ks[j * LDK + d]) * exp2_fast(gi[e] - Gs[j * LDG + d]);
+          const float kj = to_float<Io>(Ks[j * LDK + d]) * exp2_fast(gi[e] - Gs[j * LDG + gcol(d)]);
           sk += ki[e] * kj;
           sq += qi[e] * kj;
         }
@@ -544,17 +551,17 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     for (int m = 0; m < ITERS; ++m) {
       const int e = tid + m * NT, d = e % D, i0 = (e / D) * VEC;
       if (PIECES % NT != 0 && e >= PIECES) break;
-      const float glast = Gs[last * LDG + d];
+      const float glast = Gs[last * LDG + gcol(d)];
       float out8[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const int i = i0 + j;
-        out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2_fast(glast - Gs[i * LDG + d]) : 0.0f;
+        out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2_fast(glast - Gs[i * LDG + gcol(d)]) : 0.0f;
       }
       *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
     }
     for (int d = tid; d < D; d += NT)
-      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
+      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + gcol(d)]);
   };
 
   if constexpr (Lay::kPlanar) {
@@ -563,28 +570,35 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
       v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
     };
+    // columns c .. c + 7 (c a multiple of 8) of a G-swizzled row
+    auto load8g = [&](const float* row, int c, float (&v)[8]) {
+      const float4 x = *reinterpret_cast<const float4*>(row + gcol(c));
+      const float4 y = *reinterpret_cast<const float4*>(row + gcol(c + 4));
+      v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+    };
 
     // ---- P2: per-block vectors, the diagonal choice, decay -------------------------------
     for (int e = tid; e < NB * D; e += NT) {
       const int b = e / D, d = e % D;
-      Pv[e] = exp2_fast(Gs[16 * b * LDG + d]);
-      Lv[e] = exp2_fast(Gs[last * LDG + d] - Gs[(16 * b + 15) * LDG + d]);  // <= 1 (rows past the end keep G_last)
+      const int gd = gcol(d);
+      Pv[b * D + gd] = exp2_fast(Gs[16 * b * LDG + gd]);
+      Lv[e] = exp2_fast(Gs[last * LDG + gd] - Gs[(16 * b + 15) * LDG + gd]);  // <= 1 (rows past the end keep G_last)
     }
     for (int e = tid; e < kScales * D; e += NT) {
       const int p = e / D, d = e % D;
       int bi, bj;
       pair_blocks(p, bi, bj);
-      Sv[e] = exp2_fast(Gs[16 * bi * LDG + d] - Gs[(16 * bj + 15) * LDG + d]);
+      Sv[e] = exp2_fast(Gs[16 * bi * LDG + gcol(d)] - Gs[(16 * bj + 15) * LDG + gcol(d)]);
     }
     if (wave < NB) {  // wave b: the span of diagonal block b, the largest over the channels
       float span = 0.0f;
       for (int d = lane; d < D; d += kWaveSize)
-        span = fmaxf(span, Gs[16 * wave * LDG + d] - Gs[(16 * wave + 15) * LDG + d]);
+        span = fmaxf(span, Gs[16 * wave * LDG + gcol(d)] - Gs[(16 * wave + 15) * LDG + gcol(d)]);
       span = wave_max(span);
       if (lane == 0) dmma[wave] = span <= kDiagSpan<Mx> ? 1 : 0;
     }
     for (int d = tid; d < D; d += NT)
-      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + d]);
+      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + gcol(d)]);
     __syncthreads();
 
     // ---- P3: diagonal blocks whose span is too wide: exact per pair ---------------------
@@ -609,10 +623,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         float k8[8], q8[8], g[8], gf[8], gl[8], pf[8];
         unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + c), k8);
         unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + i * LDK + c), q8);
-        load8f(Gs + i * LDG + c, g);
-        load8f(Gs + 16 * b * LDG + c, gf);
-        load8f(Gs + (16 * b + 15) * LDG + c, gl);
-        load8f(Pv + b * D + c, pf);
+        load8g(Gs + i * LDG, c, g);
+        load8g(Gs + 16 * b * LDG, c, gf);
+        load8g(Gs + (16 * b + 15) * LDG, c, gl);
+        load8g(Pv + b * D, c, pf);
         const float ri = rk[i], qi = rq[i], bi = bt[i];
         float ka[8], qa[8], kb[8], w8[8], qo[8];
 #pragma unroll
@@ -797,7 +811,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       const int i = e / (D / VEC), c = (e % (D / VEC)) * VEC;
       float out8[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) out8[j] = qval(i, c + j) * rq[i] * exp2_fast(Gs[i * LDG + c + j]);
+      for (int j = 0; j < VEC; ++j) out8[j] = qval(i, c + j) * rq[i] * exp2_fast(Gs[i * LDG + gcol(c + j)]);
       *reinterpret_cast<uint4*>(qg + i * row_hd + c) = pack8<Io>(out8);
     }
   }
@@ -878,8 +892,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     const int i = e / (D / 8), d = (e % (D / 8)) * 8;
     float k8[8];
     unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + d), k8);
-    const float4 g0 = *reinterpret_cast<const float4*>(Gs + i * LDG + d);
-    const float4 g1 = *reinterpret_cast<const float4*>(Gs + i * LDG + d + 4);
+    const float4 g0 = *reinterpret_cast<const float4*>(Gs + i * LDG + gcol(d));
+    const float4 g1 = *reinterpret_cast<const float4*>(Gs + i * LDG + gcol(d + 4));
     const float gs[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
     const float f = bt[i] * rk[i];
     float v[8];
