@@ -158,7 +158,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         print(f"autotune cache: {path}")
         for spec_key in sorted(entries):
             for shape_key, row in sorted(entries[spec_key].items()):
-                choice = ", ".join(f"{k} {row[k]}" for k in ("groups", "block_width") if k in row)
+                choice = ", ".join(f"{k} {row[k]}" for k in ("groups", "block_width", "chunk_size") if k in row)
                 print(f"  {spec_key:42} {shape_key:14} {choice}  (ms: {row.get('ms')})")
         return 0
     import kdagen

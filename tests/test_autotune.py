@@ -325,3 +325,14 @@ def test_cli_tune_refuses_bad_arguments_before_timing(monkeypatch, capsys, args,
     monkeypatch.setattr(at, "tune_chunk_size", lambda *a, **k: pytest.fail("timed a bad request"))
     assert cli.main(["tune", *args]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_cli_tune_show_prints_every_recorded_choice(cache, monkeypatch, capsys):
+    from kdagen.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    at.TuneCache(cache).put(at.choice_spec_key(spec()), "nh256-c64", {"chunk_size": 16, "ms": {"16": 1.6}})
+    at.TuneCache(cache).put(at.chunk_spec_key(spec()), "nh256-c64", {"groups": 1})
+    assert main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "chunk_size 16" in out and "groups 1" in out and str(cache) in out
