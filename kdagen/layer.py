@@ -43,7 +43,8 @@ def kda_forward(
     the gate (softplus form, or lower-bound form when ``lower_bound`` is given) and the
     beta sigmoid always run in kernel. ``chunk_size`` and ``block_width`` pick the
     variant; left out, the ones tuned for this shape (``kdagen tune --chunk-sizes``,
-    ``--block-widths``) are used where recorded, else chunk 64 and the spec's width.
+    ``--block-widths``) are used where recorded, else chunk 64 and the spec's width (a
+    ``prepare_seqlens`` result keeps the chunk size it was prepared for).
     """
     if not state_v_first:
         raise ValueError("kda_forward: state_v_first=False is not supported: kdagen keeps the "
@@ -75,6 +76,8 @@ def kda_forward(
             raise TypeError(f"kda_forward: argument 'initial_state' must be float32, got "
                             f"{initial_state.dtype}")
         initial_state = initial_state.contiguous()
+    if chunk_size is None and isinstance(cu_seqlens, SeqLens):
+        chunk_size = cu_seqlens.chunk_size  # prepared for one chunk size: that one
     if chunk_size is None:
         chunk_size = 64
         if not torch.compiler.is_compiling():  # the chunk size tuned for this shape, if any

@@ -207,6 +207,13 @@ def test_kda_forward_takes_the_recorded_chunk_size(monkeypatch):
     with pytest.raises(Stop):  # nothing recorded for the shape: 64
         layer.kda_forward(x[:, :100], x[:, :100], x[:, :100], x[:, :100], x[:, :100, :, 0], **raw)
     assert asked.pop() == 64
+    from kdagen.seqlens import prepare
+
+    sl = prepare(torch.tensor([0, 4096, 8192], dtype=torch.int32), 64)
+    flat = [t.reshape(1, 8192, *t.shape[2:]) for t in (x, x[..., 0])]
+    with pytest.raises(Stop):  # prepared for chunk 64: that one, not the tuned 32
+        layer.kda_forward(flat[0], flat[0], flat[0], flat[0], flat[1], cu_seqlens=sl, **raw)
+    assert asked.pop() == 64
 
 
 def test_keys_carry_the_kernel_version():
