@@ -392,10 +392,11 @@ def tune_chunk_size(kerns: list, num_seqs: int, num_heads: int, tokens_per_seq: 
                          f"block_width), got {sorted(k.spec.name for k in kerns)}")
     dev = _gpu(device)
     shape = choice_shape(num_seqs, num_heads, tokens_per_seq)
+    tokens = -(-tokens_per_seq // CHOICE_CHUNK) * CHOICE_CHUNK  # the same tokens for every size
     times = {}
     for kern in kerns:
         C = kern.spec.chunk_size
-        times[C] = _end_to_end_ms(kern, num_seqs, num_heads, -(-tokens_per_seq // C), reps, quiet, dev)
+        times[C] = _end_to_end_ms(kern, num_seqs, num_heads, tokens // C, reps, quiet, dev)
     return _record_fastest("chunk_size", "c", times, keys.pop(), shape,
                            [num_seqs, num_heads, tokens_per_seq], dev, quiet)
 

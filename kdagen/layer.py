@@ -43,8 +43,10 @@ def kda_forward(
     the gate (softplus form, or lower-bound form when ``lower_bound`` is given) and the
     beta sigmoid always run in kernel. ``chunk_size`` and ``block_width`` pick the
     variant; left out, the ones tuned for this shape (``kdagen tune --chunk-sizes``,
-    ``--block-widths``) are used where recorded, else chunk 64 and the spec's width (a
-    ``prepare_seqlens`` result keeps the chunk size it was prepared for).
+    ``--block-widths``) are used where recorded, else the largest valid chunk (64 where
+    the target's LDS allows) and the spec's width. A ``prepare_seqlens`` result keeps the
+    chunk size it was prepared for; under ``torch.compile`` no tune file is read, so the
+    default chunk is used unless ``chunk_size`` is given.
     """
     if not state_v_first:
         raise ValueError("kda_forward: state_v_first=False is not supported: kdagen keeps the "
@@ -79,10 +81,9 @@ def kda_forward(
     if chunk_size is None and isinstance(cu_seqlens, SeqLens):
         chunk_size = cu_seqlens.chunk_size  # prepared for one chunk size: that one
     if chunk_size is None:
-        chunk_size = 64
+        spec = _default_spec(K, q.dtype, q.device, lower_bound, block_width)
+        chunk_size = spec.chunk_size
         if not torch.compiler.is_compiling():  # the chunk size tuned for this shape, if any
-            spec = spec_for_inputs(K, q.dtype, q.device, lower_bound=lower_bound,
-                                   block_width=block_width)
             total = q.shape[1]
             tuned = autotune.recorded_chunk_size(spec, N, H, -(-total // max(N, 1)), q.device)
             chunk_size = tuned or chunk_size
@@ -102,3 +103,16 @@ def kda_forward(
                                     pro["decay"], out, scale, cu_seqlens, initial_state,
                                     output_final_state, groups=groups)
     return o.reshape(B, T, H, -1), final
+
+
+def _default_spec(head_dim: int, dtype: torch.dtype, device: torch.device,
+                  lower_bound: float | None, block_width: int | None):
+    """The spec of the largest chunk size (64, 32, 16) the validator takes for this call."""
+    errors = []
+    for c in (64, 32, 16):
+        try:
+            return spec_for_inputs(head_dim, dtype, device, lower_bound=lower_bound,
+                                   chunk_size=c, block_width=block_width)
+        except ValueError as e:
+            errors.append(e)
+    raise errors[0]

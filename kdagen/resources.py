@@ -64,8 +64,8 @@ def prologue_stages_q(head_dim: int, chunk_size: int, io_dtype: str, shared_mem:
 def prologue_planar(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> bool:
     """Whether the prologue builds its L / aqk operands as LDS planes (and solves on the
     matrix units): the planar footprint fits, L (fp32) with its bf16 inverse fits in
-    the G plane, and the chunk's 16-byte pieces spread evenly over the threads (not
-    d64/c16)."""
+    the G plane, and the chunk's 16-byte pieces spread evenly over the block's threads
+    (d64/c16 at 256 threads would leave half of them without one)."""
     c, d = chunk_size, head_dim
     in_g = c * (c + PAD_FP32) * 4 + c * (c + PAD_16BIT) * 2 <= c * (d + PAD_FP32) * 4
     # its elementwise passes take the chunk's 16-byte pieces evenly, every thread busy

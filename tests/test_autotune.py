@@ -173,6 +173,9 @@ def test_tune_chunk_size_records_the_fastest(cache, monkeypatch):
     row = at.tune_chunk_size(kerns, 8, 32, 4096, quiet=True, device=CUDA0)
     assert row["chunk_size"] == 16 and seen == [(16, 256), (32, 128), (64, 64)]
     assert at.recorded_chunk_size(spec(), 8, 32, 4096, CUDA0) == 16
+    seen.clear()  # 100 tokens: every size walks the same 128
+    at.tune_chunk_size(kerns, 8, 32, 100, quiet=True, device=CUDA0)
+    assert seen == [(16, 8), (32, 4), (64, 2)]
 
 
 def test_tune_chunk_size_refuses_variants_that_differ_otherwise(cache):
@@ -214,6 +217,27 @@ def test_kda_forward_takes_the_recorded_chunk_size(monkeypatch):
     with pytest.raises(Stop):  # prepared for chunk 64: that one, not the tuned 32
         layer.kda_forward(flat[0], flat[0], flat[0], flat[0], flat[1], cu_seqlens=sl, **raw)
     assert asked.pop() == 64
+
+
+def test_kda_forward_defaults_to_the_largest_valid_chunk(monkeypatch):
+    from kdagen import layer
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def for_inputs(*a, chunk_size, **k):
+        asked.append(chunk_size)
+        raise Stop
+
+    monkeypatch.setattr(layer, "for_inputs", for_inputs)
+    monkeypatch.setattr("kdagen.jit.device_target", lambda device=None: "gfx90a")
+    monkeypatch.setattr(at, "recorded_chunk_size", lambda *a: None)
+    x = torch.randn(1, 64, 1, 256).bfloat16()  # d256: chunk 64 does not fit gfx90a's LDS, 32 does
+    with pytest.raises(Stop):
+        layer.kda_forward(x, x, x, x, x[..., 0], A_log=torch.zeros(1), dt_bias=torch.zeros(256))
+    assert asked == [32]
 
 
 def test_keys_carry_the_kernel_version():

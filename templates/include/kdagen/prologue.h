@@ -43,7 +43,8 @@
 // G is dead), k in the io dtype [C][D + pad] (overwritten in place by the solve's
 // right-hand side), q where LDS allows (then v, for the matrix-unit solve), [the planar
 // operand planes Ka, Kb (later the staged w, u)], three fp32 row vectors rk, rq, beta
-// [, and the planar path's per-block vectors 2^G_f, pair scales, diagonal choices].
+// [, and the planar path's per-block vectors 2^G_f, pair scales, the kg_t factors
+// 2^(G_last - G_l), diagonal choices].
 #pragma once
 
 #include "launch_args.h"
