@@ -186,58 +186,56 @@ def test_tune_chunk_size_refuses_variants_that_differ_otherwise(cache):
         at.tune_chunk_size([_FakeKernels(), _FakeKernels(block_width=64)], 1, 32, 4096, device=CUDA0)
 
 
-def test_kda_forward_takes_the_recorded_chunk_size(monkeypatch):
+class _Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def chunk_asked(monkeypatch):
+    """The chunk sizes kda_forward asks for_inputs for (the call stops there)."""
     from kdagen import layer
 
     asked = []
 
-    class Stop(Exception):
-        pass
-
     def for_inputs(*a, chunk_size, **k):
         asked.append(chunk_size)
-        raise Stop
+        raise _Stop
 
     monkeypatch.setattr(layer, "for_inputs", for_inputs)
+    return asked
+
+
+def test_kda_forward_takes_the_recorded_chunk_size(monkeypatch, chunk_asked):
+    from kdagen import layer
+    from kdagen.seqlens import prepare
+
     monkeypatch.setattr(layer, "spec_for_inputs", lambda *a, **k: spec())
     monkeypatch.setattr(at, "recorded_chunk_size", lambda s, n, h, t, dev: 32 if t == 4096 else None)
     x = torch.randn(2, 4096, 1, 64)
     raw = dict(A_log=torch.zeros(1), dt_bias=torch.zeros(64))
     for chunk_size, want in ((None, 32), (16, 16)):
-        with pytest.raises(Stop):
+        with pytest.raises(_Stop):
             layer.kda_forward(x, x, x, x, x[..., 0], chunk_size=chunk_size, **raw)
-        assert asked.pop() == want
-    with pytest.raises(Stop):  # nothing recorded for the shape: 64
+        assert chunk_asked.pop() == want
+    with pytest.raises(_Stop):  # nothing recorded for the shape: 64
         layer.kda_forward(x[:, :100], x[:, :100], x[:, :100], x[:, :100], x[:, :100, :, 0], **raw)
-    assert asked.pop() == 64
-    from kdagen.seqlens import prepare
-
+    assert chunk_asked.pop() == 64
     sl = prepare(torch.tensor([0, 4096, 8192], dtype=torch.int32), 64)
     flat = [t.reshape(1, 8192, *t.shape[2:]) for t in (x, x[..., 0])]
-    with pytest.raises(Stop):  # prepared for chunk 64: that one, not the tuned 32
+    with pytest.raises(_Stop):  # prepared for chunk 64: that one, not the tuned 32
         layer.kda_forward(flat[0], flat[0], flat[0], flat[0], flat[1], cu_seqlens=sl, **raw)
-    assert asked.pop() == 64
+    assert chunk_asked.pop() == 64
 
 
-def test_kda_forward_defaults_to_the_largest_valid_chunk(monkeypatch):
+def test_kda_forward_defaults_to_the_largest_valid_chunk(monkeypatch, chunk_asked):
     from kdagen import layer
 
-    asked = []
-
-    class Stop(Exception):
-        pass
-
-    def for_inputs(*a, chunk_size, **k):
-        asked.append(chunk_size)
-        raise Stop
-
-    monkeypatch.setattr(layer, "for_inputs", for_inputs)
     monkeypatch.setattr("kdagen.jit.device_target", lambda device=None: "gfx90a")
     monkeypatch.setattr(at, "recorded_chunk_size", lambda *a: None)
     x = torch.randn(1, 64, 1, 256).bfloat16()  # d256: chunk 64 does not fit gfx90a's LDS, 32 does
-    with pytest.raises(Stop):
+    with pytest.raises(_Stop):
         layer.kda_forward(x, x, x, x, x[..., 0], A_log=torch.zeros(1), dt_bias=torch.zeros(256))
-    assert asked == [32]
+    assert chunk_asked == [32]
 
 
 def test_keys_carry_the_kernel_version():
