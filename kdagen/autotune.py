@@ -254,30 +254,28 @@ def recorded_block_width(spec, num_seqs: int, num_heads: int, chunks_per_seq: in
                          device: torch.device) -> int | None:
     """The tuned block width for variants like ``spec``, if one is recorded."""
     bv = _recorded(width_spec_key(spec), "block_width", num_seqs, num_heads, chunks_per_seq, device)
-    if bv is None:
+    return _valid_for(spec, "block_width", bv)
+
+
+def _valid_for(spec, field: str, value: int | None) -> int | None:
+    """``value`` if the validator takes it as ``field`` of ``spec``; a refused one is
+    ignored, never fatal."""
+    if value is None:
         return None
-    try:  # a width the validator refuses for this spec is ignored, never fatal
-        type(spec).parse({**spec.canonical(), "block_width": bv})
+    try:
+        type(spec).parse({**spec.canonical(), field: value})
     except ValueError:
         return None
-    return bv
+    return value
 
 
 def recorded_chunk_size(spec, num_seqs: int, num_heads: int, tokens_per_seq: int,
                         device: torch.device) -> int | None:
-    """The tuned chunk size for variants like ``spec``, if one is recorded."""
-    if _disabled() or device.type != "cuda":
-        return None
-    row = _lookup(cache_path(device_tag(device)), choice_spec_key(spec),
-                  choice_shape(num_seqs, num_heads, tokens_per_seq).key())
-    c = row.get("chunk_size") if row else None
-    if not isinstance(c, int) or isinstance(c, bool):
-        return None
-    try:  # a chunk size the validator refuses for this spec is ignored, never fatal
-        type(spec).parse({**spec.canonical(), "chunk_size": c})
-    except ValueError:
-        return None
-    return c
+    """The tuned chunk size for variants like ``spec``, if one is recorded (its shape
+    class counts chunks of ``CHOICE_CHUNK`` tokens: see ``choice_shape``)."""
+    c = _recorded(choice_spec_key(spec), "chunk_size", num_seqs, num_heads,
+                  -(-tokens_per_seq // CHOICE_CHUNK), device)
+    return _valid_for(spec, "chunk_size", c)
 
 
 def autotune_on_first_use() -> bool:

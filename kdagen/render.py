@@ -90,6 +90,8 @@ def symbol_prefix(spec: KernelSpec) -> str:
 def render(spec: KernelSpec) -> Rendered:
     """Render every source of ``spec``."""
     t = spec.target_info
+    prologue_bytes = resources.prologue_shared_mem(spec.head_dim, spec.chunk_size, spec.io_dtype,
+                                                   t.shared_mem)
     ctx = dict(
         spec=spec,
         spec_items=sorted(spec.canonical().items()),
@@ -102,11 +104,9 @@ def render(spec: KernelSpec) -> Rendered:
                                             t.shared_mem),
         planar=resources.prologue_planar(spec.head_dim, spec.chunk_size, spec.io_dtype,
                                          t.shared_mem),
-        prologue_bytes=resources.prologue_shared_mem(spec.head_dim, spec.chunk_size,
-                                                     spec.io_dtype, t.shared_mem),
+        prologue_bytes=prologue_bytes,
         prologue_min_blocks=resources.prologue_min_blocks(
-            resources.prologue_shared_mem(spec.head_dim, spec.chunk_size, spec.io_dtype,
-                                          t.shared_mem), t.cu_smem, t.block_smem_reserve,
+            prologue_bytes, t.cu_smem, t.block_smem_reserve,
             resources.prologue_threads(spec.chunk_size)),
         chunk=resources.chunk_plan(spec.head_dim, spec.chunk_size, spec.block_width,
                                    spec.io_dtype, t.wave_size, t.shared_mem, t.async_copy),
