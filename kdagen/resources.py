@@ -103,23 +103,44 @@ def chunk_footprint(
     return Footprint(waves * wave_size, stages * (elems * IO_BYTES[io_dtype] + d * 4))
 
 
+# Chunks the scan buffers: 2 (one in flight ahead of the one walked). 3 and 4 measured the
+# same on the H200 at c16 / c32 (docs/NOTES.md, v11) and cost registers.
+MAX_CHUNK_STAGES = 2
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
     """How the chunk scan buffers its operands on one target."""
 
-    stages: int  # 2: the next chunk's tiles load (asynchronously) during this one
+    stages: int  # > 1: stages - 1 chunks' tiles load (asynchronously) ahead of the one walked
     stage_uo: bool  # u read and o written through LDS (16-byte accesses) instead of per element
+    min_blocks: int = 1  # blocks the launch bound keeps resident per compute unit
+
+
+def chunk_min_blocks(head_dim: int, chunk_size: int, block_width: int, wave_size: int) -> int:
+    """Chunk-scan blocks to keep resident per compute unit: two where a 256-lane block's
+    walk fits in half the register file (the 16-row chunk on wave32 at d128: 120-128
+    registers by ptxas, 64 of them the state), else one (the walk keeps its registers)."""
+    threads = (block_width // 16) * wave_size
+    return 2 if wave_size == 32 and chunk_size == 16 and threads <= 256 else 1
 
 
 def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
-               shared_mem: int, async_copy: bool) -> ChunkPlan:
-    """The richest buffering that fits: double-buffered with staged u / o where the
-    target has asynchronous copies, else one stage, with u / o staged if they fit."""
-    fits = lambda st, uo: chunk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
-                                          st, uo).shared_mem <= shared_mem
-    if async_copy and fits(2, True):
-        return ChunkPlan(2, True)
-    return ChunkPlan(1, fits(1, True))
+               shared_mem: int, async_copy: bool, cu_shared_mem: int = 0,
+               block_smem_reserve: int = 0) -> ChunkPlan:
+    """The richest buffering that fits: where the target has asynchronous copies, as many
+    stages (up to ``MAX_CHUNK_STAGES``, at least 2) as the resident blocks' share of the
+    compute unit's LDS holds, with u / o staged; else one stage, with u / o staged if they
+    fit."""
+    footprint = lambda st, uo: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
+                                               wave_size, st, uo).shared_mem
+    blocks = chunk_min_blocks(head_dim, chunk_size, block_width, wave_size)
+    share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
+    if async_copy and footprint(2, True) <= shared_mem:
+        stages = max(st for st in range(2, MAX_CHUNK_STAGES + 1)
+                     if st == 2 or footprint(st, True) <= min(shared_mem, share))
+        return ChunkPlan(stages, True, blocks if footprint(stages, True) <= share else 1)
+    return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

@@ -140,6 +140,7 @@ def test_default_constexprs():
         "kPlanar": "true",  # ... and the planar L / aqk operands
         "kPrologueBytes": str(resources.prologue_shared_mem(128, 64, "bf16", 232448)),
         "kChunkStages": "2",  # cp.async double buffering
+        "kChunkMinBlocks": "1",  # the c64 walk keeps its 255 registers
         "kStageUO": "true",
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
@@ -177,6 +178,22 @@ def test_chunk_buffering_per_target(target, stages, uo):
                                    int(stages), uo == "true")
     from kdagen.targets import get_target
     assert fp.shared_mem <= get_target(target).shared_mem
+
+
+@pytest.mark.parametrize("spec, blocks", [
+    (dict(chunk_size=16), 2),  # 256 lanes in 120-128 registers: two blocks per SM, capped there
+    (dict(chunk_size=16, block_width=64), 2),
+    (dict(chunk_size=32), 1),  # 160-200 registers: one
+    (dict(chunk_size=64), 1),
+    (dict(target="gfx90a", chunk_size=16), 1),  # wave64: the state alone is 32 VGPRs a row block
+])
+def test_chunk_scan_launch_bound(spec, blocks):
+    c = constexprs(kernels(spec))
+    assert c["kChunkMinBlocks"] == str(blocks)
+    fp = resources.chunk_footprint(128, spec["chunk_size"], spec.get("block_width", 128), "bf16",
+                                   32, int(c["kChunkStages"]), c["kStageUO"] == "true")
+    if spec.get("target", "sm_90") == "sm_90":  # the blocks' LDS fits the SM with them
+        assert blocks * (fp.shared_mem + 1024) <= 233472
 
 
 def test_q_staging_follows_the_target_lds():

@@ -30,7 +30,7 @@ struct ChunkLayout {
   static constexpr int LDW = D + Cfg::kPad16;   // w, qg tiles [C][LDW]
   static constexpr int LDC = C + Cfg::kPad16;   // kg_t [D][LDC], aqk [C][LDC]
   static constexpr int LDU = BV + Cfg::kPad16;  // u in, o out [C][LDU] (kStageUO)
-  static constexpr int kStages = Cfg::kChunkStages;  // 2: the next chunk loads during this one
+  static constexpr int kStages = Cfg::kChunkStages;  // > 1: kStages - 1 chunks load ahead of this one
   static constexpr int kElems = (kOutputs ? 2 : 1) * C * LDW + D * LDC + (kOutputs ? C * LDC : 0) +
                                 (Cfg::kStageUO ? C * LDU : 0);
   static constexpr int kStageBytes = kElems * 2 + D * 4;
@@ -42,9 +42,10 @@ struct ChunkLayout {
 enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2 };
 
 // Rows of a token-major [rows][H][width] tensor -> an LDS tile [rows][ld], zero past
-// `valid`, as 16-byte copies (asynchronous where the hardware has them).
+// `valid`, as 16-byte copies (asynchronous where the hardware has them). The offsets
+// inside one chunk's rows fit 32 bits (rows * row_stride < 2^31); only `src` is 64-bit.
 template <int ROWS, int WIDTH, int LD, int NT>
-__device__ __forceinline__ void copy_rows(uint16_t* dst, const uint16_t* src, int64_t row_stride,
+__device__ __forceinline__ void copy_rows(uint16_t* dst, const uint16_t* src, int row_stride,
                                           int valid) {
   constexpr int VEC = 8;  // 16 bytes
   constexpr int N = ROWS * WIDTH / VEC, ITERS = (N + NT - 1) / NT;
@@ -91,7 +92,7 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
 }
 
 template <class Cfg, int kMode>
-__global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(ChunkArgs a) {
+__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinBlocks) chunk_kernel(ChunkArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   constexpr bool kOutputs = kMode != kWalkPassOne;
@@ -132,6 +133,9 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
   const int nh = n * H + h;
 
   // ---- start state ----------------------------------------------------------------------
+  // S holds the state negated, -S^T: then v_new^T = u^T + (-S^T) w^T needs no negated
+  // copy of the state's fragments each chunk, only of v_new's (C / 16 of them) for the
+  // update, and every load and store of a state plane flips the sign once.
   mma::Acc S[KT];
   const float* init = nullptr;
   if constexpr (kMode == kWalkSingle) init = initial_plane(a, n, h, D);
@@ -140,62 +144,78 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
   for (int kt = 0; kt < KT; ++kt) {
     mma::zero(S[kt]);
     mma::for_each(S[kt], [&](int r, int k, float& x) {
-      if (transfer) x = (row0 + r - D == 16 * kt + k) ? 1.0f : 0.0f;
-      else if (init != nullptr) x = init[static_cast<int64_t>(row0 + r) * D + 16 * kt + k];
+      if (transfer) x = (row0 + r - D == 16 * kt + k) ? -1.0f : 0.0f;
+      else if (init != nullptr) x = -init[static_cast<int64_t>(row0 + r) * D + 16 * kt + k];
     });
   }
 
   const int ck_tokens = (kMode != kWalkPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;
   const int64_t row_hd = static_cast<int64_t>(H) * D, row_hc = static_cast<int64_t>(H) * C;
+  const int ld_hd = H * D, ld_hc = H * C;  // the same row strides, for offsets inside a chunk
   const T* u = static_cast<const T*>(a.u);
   T* out = static_cast<T*>(a.out);
 
   const int col0 = blockIdx.x * BV;  // this block's first column of u / o
-  // Issue the copies of chunk c's operands into stage `st`.
-  auto load_chunk = [&](int c, const Stage& st) {
-    const int chunk = cbase + c, t0 = bos + c * C, valid = min(C, len - c * C);
-    copy_rows<C, D, LDW, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + t0 * row_hd + h * D, row_hd, valid);
+  // The copies take the chunks in order from c0: element offsets of the next chunk to
+  // load, advanced by one chunk after each (no index products in the walk).
+  int64_t next_hd = (bos + static_cast<int64_t>(c0) * C) * row_hd + h * D;  // [T][H][D] tensors
+  int64_t next_hc = (bos + static_cast<int64_t>(c0) * C) * row_hc + h * C;  // aqk [T][H][C]
+  int64_t next_ch = (static_cast<int64_t>(cbase + c0) * H + h) * D;         // decay [chunk][H][D]
+  int next_rows = len - c0 * C;                                             // tokens from its first row
+  // Issue the copies of the next chunk's operands into stage `st`.
+  auto load_next = [&](const Stage& st) {
+    const int valid = min(C, next_rows);
+    copy_rows<C, D, LDW, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
     if constexpr (kMode != kWalkPassOne) {
-      copy_rows<C, D, LDW, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + t0 * row_hd + h * D, row_hd, valid);
-      copy_rows<C, C, LDC, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + t0 * row_hc + h * C, row_hc, valid);
+      copy_rows<C, D, LDW, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
+      copy_rows<C, C, LDC, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
     }
     if constexpr (Cfg::kStageUO) {
       if (!transfer)
-        copy_rows<C, BV, Lay::LDU, NT>(st.Us, static_cast<const uint16_t*>(a.u) + t0 * row_hd + h * D + col0,
-                                       row_hd, valid);
+        copy_rows<C, BV, Lay::LDU, NT>(st.Us, static_cast<const uint16_t*>(a.u) + next_hd + col0, ld_hd, valid);
     }
-    copy_rows<D, C, LDC, NT>(st.KGs, static_cast<const uint16_t*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C,
-                             C, D);
+    copy_rows<D, C, LDC, NT>(st.KGs, static_cast<const uint16_t*>(a.kg_t) + next_ch * C, C, D);  // kg_t [chunk][H][D][C]
     copy_rows<1, D * 2, D * 2, NT>(reinterpret_cast<uint16_t*>(st.Ds),
-                                   reinterpret_cast<const uint16_t*>(a.decay + (static_cast<int64_t>(chunk) * H + h) * D),
-                                   0, 1);
+                                   reinterpret_cast<const uint16_t*>(a.decay + next_ch), 0, 1);
     async::commit();
+    next_hd += C * row_hd;
+    next_hc += C * row_hc;
+    next_ch += static_cast<int64_t>(H) * D;
+    next_rows -= C;
   };
-  if (Lay::kStages > 1 && c0 < c1) load_chunk(c0, stage_at(0));
+  // The first kStages - 1 chunks go in flight before the walk (a commit group per
+  // chunk, empty past the end, so that every step waits on the same count).
+  constexpr int SG = Lay::kStages;
+  if constexpr (SG > 1) {
+#pragma unroll
+    for (int p = 0; p < SG - 1; ++p) {
+      if (c0 + p < c1) load_next(stage_at(p));
+      else async::commit();
+    }
+  }
 
   for (int c = c0; c < c1; ++c) {
     const int t0 = bos + c * C;
     const int valid = min(C, len - c * C);
-    const Stage st = stage_at(Lay::kStages > 1 ? (c - c0) % Lay::kStages : 0);
+    const Stage st = stage_at(SG > 1 ? (c - c0) % SG : 0);
     uint16_t *const Ws = st.Ws, *const Qs = st.Qs, *const KGs = st.KGs, *const As = st.As, *const Us = st.Us;
     const float* Ds = st.Ds;
 
-    // ---- this chunk's operands in LDS (the next chunk's copies in flight) -----------------
-    __syncthreads();  // every reader of the stage about to be refilled is done
-    if constexpr (Lay::kStages > 1) {
-      if (c + 1 < c1) {
-        load_chunk(c + 1, stage_at((c + 1 - c0) % Lay::kStages));
-        async::wait<1>();
-      } else {
-        async::wait<0>();
-      }
+    // ---- this chunk's operands in LDS (the next kStages - 1 chunks' copies in flight) -----
+    if constexpr (SG > 1) {
+      async::wait<SG - 2>();  // this thread's copies of chunk c have landed
+      __syncthreads();        // everyone's have, and every reader of chunk c - 1 is done
+      // refill chunk c - 1's stage with chunk c + kStages - 1
+      if (c + SG - 1 < c1) load_next(stage_at((c + SG - 1 - c0) % SG));
+      else async::commit();
     } else {
-      load_chunk(c, st);
+      __syncthreads();  // every reader of the stage about to be refilled is done
+      load_next(st);
       async::wait<0>();
+      __syncthreads();
     }
-    __syncthreads();
 
-    // ---- v_new^T = u^T - S^T w^T,  o^T = S^T qg^T ----------------------------------------
+    // ---- v_new^T = u^T + (-S^T) w^T,  o^T = -(-S^T) qg^T ---------------------------------
     mma::Acc vn[CT], o[CT];
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
@@ -211,11 +231,10 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
     }
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
-      const mma::Frag s = mma::to_a<Io>(S[kt]);
-      const mma::Frag sneg = mma::neg(s);
+      const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
-        mma::mma<Io>(vn[ct], sneg, mma::load_b_smem(Ws + (16 * ct) * LDW + 16 * kt, LDW));
+        mma::mma<Io>(vn[ct], s, mma::load_b_smem(Ws + (16 * ct) * LDW + 16 * kt, LDW));
         if constexpr (kMode != kWalkPassOne)
           mma::mma<Io>(o[ct], s, mma::load_b_smem(Qs + (16 * ct) * LDW + 16 * kt, LDW));
       }
@@ -224,11 +243,11 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) va[ct] = mma::to_a<Io>(vn[ct]);
 
-    // ---- o^T = scale o^T + v_new^T aqk^T (aqk is lower triangular by blocks) ----------------
+    // ---- o^T = -scale (-S^T qg^T) + v_new^T aqk^T (aqk is lower triangular by blocks) -------
     if constexpr (kMode != kWalkPassOne) {
 #pragma unroll
       for (int ci = 0; ci < CT; ++ci) {
-        mma::for_each(o[ci], [&](int, int, float& x) { x *= a.scale; });
+        mma::for_each(o[ci], [&](int, int, float& x) { x *= -a.scale; });
 #pragma unroll
         for (int cj = 0; cj <= ci; ++cj)
           mma::mma<Io>(o[ci], va[cj], mma::load_b_smem(As + (16 * ci) * LDC + 16 * cj, LDC));
@@ -247,15 +266,18 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
       if constexpr (Cfg::kStageUO) {
         // the wave's 16 columns of o, a 32-byte row segment per token, 16-byte stores
         wave_sync();
+        T* const oc = out + t0 * row_hd + h * D + row0;  // this chunk's first row, this wave's columns
         for (int e = lane_id(); e < 2 * valid; e += kWaveSize) {
           const int i = e >> 1, half = e & 1;
-          *reinterpret_cast<uint4*>(out + (t0 + i) * row_hd + h * D + row0 + 8 * half) =
+          *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
               *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * wave + 8 * half);
         }
       }
     }
 
-    // ---- S^T = S^T Diag(decay) + v_new^T kg ----------------------------------------------
+    // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
+#pragma unroll
+    for (int ct = 0; ct < CT; ++ct) va[ct] = mma::neg(va[ct]);
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
@@ -271,7 +293,7 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
         float* dst = a.checkpoint_state + (static_cast<int64_t>(row) * H + h) * D * D;
 #pragma unroll
         for (int kt = 0; kt < KT; ++kt)
-          mma::for_each(S[kt], [&](int r, int k, float& x) { dst[static_cast<int64_t>(row0 + r) * D + 16 * kt + k] = x; });
+          mma::for_each(S[kt], [&](int r, int k, float& x) { dst[static_cast<int64_t>(row0 + r) * D + 16 * kt + k] = -x; });
       }
     }
   }
@@ -288,7 +310,7 @@ __global__ void __launch_bounds__(ChunkLayout<Cfg>::kThreads) chunk_kernel(Chunk
   if (dst != nullptr) {
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt)
-      mma::for_each(S[kt], [&](int r, int k, float& x) { dst[static_cast<int64_t>(drow + r) * D + 16 * kt + k] = x; });
+      mma::for_each(S[kt], [&](int r, int k, float& x) { dst[static_cast<int64_t>(drow + r) * D + 16 * kt + k] = -x; });
   }
 }
 
