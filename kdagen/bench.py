@@ -55,6 +55,22 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def profile_argv(argv: list[str], default_shapes: str):
+    """The ``[shapes] [gate] [chunk] [width]`` arguments of the profiling scripts: the
+    shapes, the gate, and that variant loaded for this GPU (chunk 64, width 128 unless
+    given)."""
+    import kdagen
+    from .jit import device_target
+
+    shapes = parse_shapes(argv[1] if len(argv) > 1 else default_shapes)
+    gate = argv[2] if len(argv) > 2 else "lower_bound"
+    chunk = int(argv[3]) if len(argv) > 3 else 64
+    width = int(argv[4]) if len(argv) > 4 else 128
+    kern = kdagen.load({"target": device_target(), "gate": gate, "chunk_size": chunk,
+                        "block_width": width})
+    return shapes, gate, kern
+
+
 def traffic(token_heads: int, C: int = 64) -> tuple[float, float]:
     """Bytes and FLOPs of the two-kernel design for ``token_heads`` at chunk ``C``."""
     per_bytes = 4 * D * 2 + 2 + 2 * (3 * D * 2 + C * 2 + D * 2) + D * 2

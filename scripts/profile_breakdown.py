@@ -15,9 +15,7 @@ import sys
 
 import torch
 
-import kdagen
-from kdagen.bench import parse_shapes, time_ms
-from kdagen.jit import device_target
+from kdagen.bench import profile_argv, time_ms
 from kdagen.testing import make_inputs
 from kdagen.varlen import prepare_chunk_indices
 
@@ -45,12 +43,7 @@ def kernel_times(fn, reps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    shapes = parse_shapes(sys.argv[1] if len(sys.argv) > 1 else DEFAULT)
-    gate = sys.argv[2] if len(sys.argv) > 2 else "lower_bound"
-    chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-    width = int(sys.argv[4]) if len(sys.argv) > 4 else 128
-    kern = kdagen.load({"target": device_target(), "gate": gate, "chunk_size": chunk,
-                        "block_width": width})
+    shapes, gate, kern = profile_argv(sys.argv, DEFAULT)
     C = kern.spec.chunk_size
     for n, t, h in shapes:
         x = make_inputs([t] * n, h, 128, gate=gate, seed=1)

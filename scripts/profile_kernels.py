@@ -13,19 +13,12 @@ import sys
 
 import torch
 
-import kdagen
-from kdagen.bench import parse_shapes, time_ms
-from kdagen.jit import device_target
+from kdagen.bench import profile_argv, time_ms
 from kdagen.testing import make_inputs
 
 
 def main() -> None:
-    (n, t, h), = parse_shapes(sys.argv[1] if len(sys.argv) > 1 else "1x32768:32")
-    gate = sys.argv[2] if len(sys.argv) > 2 else "lower_bound"
-    chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-    width = int(sys.argv[4]) if len(sys.argv) > 4 else 128
-    kern = kdagen.load({"target": device_target(), "gate": gate, "chunk_size": chunk,
-                        "block_width": width})
+    ((n, t, h),), gate, kern = profile_argv(sys.argv, "1x32768:32")
     x = make_inputs([t] * n, h, 128, gate=gate, seed=1)
     init = torch.randn(n, h, 128, 128, device="cuda") * 0.05
     p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)

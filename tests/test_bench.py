@@ -21,3 +21,16 @@ def test_table_names_each_rows_chunk_size():
     assert header.split("|")[3].strip() == "chunk" and line.split("|")[3].strip() == "16"
     assert header.count("|") == line.count("|") == sep.count("|")
     assert "2.47x" in line and "tuned by `kdagen tune --chunk-sizes`" in text
+
+
+def test_profile_argv_loads_the_named_variant(monkeypatch):
+    import kdagen
+    from kdagen import jit
+    asked = []
+    monkeypatch.setattr(jit, "device_target", lambda: "sm_90")
+    monkeypatch.setattr(kdagen, "load", lambda fields: asked.append(fields) or "kern")
+    shapes, gate, kern = bench.profile_argv(["x", "8x4096:32,1x2048:32", "softplus", "16", "64"], "1x1:1")
+    assert (shapes, gate, kern) == ([(8, 4096, 32), (1, 2048, 32)], "softplus", "kern")
+    assert asked[-1] == {"target": "sm_90", "gate": "softplus", "chunk_size": 16, "block_width": 64}
+    assert bench.profile_argv(["x"], "1x32768:32")[:2] == ([(1, 32768, 32)], "lower_bound")
+    assert asked[-1]["chunk_size"] == 64 and asked[-1]["block_width"] == 128
