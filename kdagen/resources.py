@@ -103,8 +103,9 @@ def chunk_footprint(
     return Footprint(waves * wave_size, stages * (elems * IO_BYTES[io_dtype] + d * 4))
 
 
-# Chunks the scan buffers: 2 (one in flight ahead of the one walked). 3 and 4 measured the
-# same on the H200 at c16 / c32 (docs/NOTES.md, v11) and cost registers.
+# Chunks the scan buffers: 2 (one in flight ahead of the one walked). On the H200 3 and 4
+# measured no faster (c16 walk 0.586 / 0.594 / 0.595 ms for 2 / 3 / 4, docs/NOTES.md v11)
+# and took more registers (c32: 170 -> 206).
 MAX_CHUNK_STAGES = 2
 
 
@@ -118,9 +119,10 @@ class ChunkPlan:
 
 
 def chunk_min_blocks(head_dim: int, chunk_size: int, block_width: int, wave_size: int) -> int:
-    """Chunk-scan blocks to keep resident per compute unit: two where a 256-lane block's
-    walk fits in half the register file (the 16-row chunk on wave32 at d128: 120-128
-    registers by ptxas, 64 of them the state), else one (the walk keeps its registers)."""
+    """Chunk-scan blocks to keep resident per compute unit: two for the 16-row chunk on
+    wave32 with blocks of at most 256 lanes (at d128 / bv128 its walk fits 128 registers,
+    half the register file: 120-128 by ptxas, 64 of them the state; narrower blocks are
+    not capped by it), else one (the walk keeps its registers)."""
     threads = (block_width // 16) * wave_size
     return 2 if wave_size == 32 and chunk_size == 16 and threads <= 256 else 1
 
@@ -130,8 +132,8 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
                block_smem_reserve: int = 0) -> ChunkPlan:
     """The richest buffering that fits: where the target has asynchronous copies, as many
     stages (up to ``MAX_CHUNK_STAGES``, at least 2) as the resident blocks' share of the
-    compute unit's LDS holds, with u / o staged; else one stage, with u / o staged if they
-    fit."""
+    compute unit's LDS holds, with u / o staged, and ``min_blocks`` back to 1 where that
+    share does not hold two stages; else one stage, with u / o staged if they fit."""
     footprint = lambda st, uo: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
                                                wave_size, st, uo).shared_mem
     blocks = chunk_min_blocks(head_dim, chunk_size, block_width, wave_size)

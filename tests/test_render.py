@@ -188,12 +188,15 @@ def test_chunk_buffering_per_target(target, stages, uo):
     (dict(target="gfx90a", chunk_size=16), 1),  # wave64: the state alone is 32 VGPRs a row block
 ])
 def test_chunk_scan_launch_bound(spec, blocks):
-    c = constexprs(kernels(spec))
-    assert c["kChunkMinBlocks"] == str(blocks)
-    fp = resources.chunk_footprint(128, spec["chunk_size"], spec.get("block_width", 128), "bf16",
-                                   32, int(c["kChunkStages"]), c["kStageUO"] == "true")
-    if spec.get("target", "sm_90") == "sm_90":  # the blocks' LDS fits the SM with them
-        assert blocks * (fp.shared_mem + 1024) <= 233472
+    assert constexprs(kernels(spec))["kChunkMinBlocks"] == str(blocks)
+
+
+def test_chunk_plan_asks_for_two_blocks_only_where_their_lds_fits():
+    stage2 = resources.chunk_footprint(128, 16, 128, "bf16", 32, 2, True).shared_mem
+    fits = resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 2 * (stage2 + 1024), 1024)
+    short = resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 2 * (stage2 + 1024) - 1, 1024)
+    assert (fits.stages, fits.min_blocks) == (2, 2)
+    assert (short.stages, short.min_blocks) == (2, 1)  # one block still takes both stages
 
 
 def test_q_staging_follows_the_target_lds():
