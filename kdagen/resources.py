@@ -103,10 +103,11 @@ def chunk_footprint(
     return Footprint(waves * wave_size, stages * (elems * IO_BYTES[io_dtype] + d * 4))
 
 
-# Chunks the scan buffers: 2 (one in flight ahead of the one walked). On the H200 3 and 4
-# measured no faster (c16 walk 0.586 / 0.594 / 0.595 ms for 2 / 3 / 4, docs/NOTES.md v11)
-# and took more registers (c32: 170 -> 206).
-MAX_CHUNK_STAGES = 2
+# Chunks the scan buffers where it has asynchronous copies: 2 (one in flight ahead of the
+# one walked). The kernel takes any count; on the H200 3 and 4 measured no faster (c16 walk
+# 0.586 / 0.594 / 0.595 ms for 2 / 3 / 4, docs/NOTES.md v11) and took more registers (c32:
+# 170 -> 206).
+CHUNK_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class ChunkPlan:
     min_blocks: int = 1  # blocks the launch bound keeps resident per compute unit
 
 
-def chunk_min_blocks(head_dim: int, chunk_size: int, block_width: int, wave_size: int) -> int:
+def chunk_min_blocks(chunk_size: int, block_width: int, wave_size: int) -> int:
     """Chunk-scan blocks to keep resident per compute unit: two for the 16-row chunk on
     wave32 with blocks of at most 256 lanes (at d128 / bv128 its walk fits 128 registers,
     half the register file: 120-128 by ptxas, 64 of them the state; narrower blocks are
@@ -130,18 +131,16 @@ def chunk_min_blocks(head_dim: int, chunk_size: int, block_width: int, wave_size
 def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
                shared_mem: int, async_copy: bool, cu_shared_mem: int = 0,
                block_smem_reserve: int = 0) -> ChunkPlan:
-    """The richest buffering that fits: where the target has asynchronous copies, as many
-    stages (up to ``MAX_CHUNK_STAGES``, at least 2) as the resident blocks' share of the
-    compute unit's LDS holds, with u / o staged, and ``min_blocks`` back to 1 where that
-    share does not hold two stages; else one stage, with u / o staged if they fit."""
+    """The richest buffering that fits: ``CHUNK_STAGES`` stages with u / o staged where the
+    target has asynchronous copies, with ``chunk_min_blocks`` resident blocks where their
+    share of the compute unit's LDS holds those stages (else 1); otherwise one stage, with
+    u / o staged if they fit."""
     footprint = lambda st, uo: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
                                                wave_size, st, uo).shared_mem
-    blocks = chunk_min_blocks(head_dim, chunk_size, block_width, wave_size)
-    share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
-    if async_copy and footprint(2, True) <= shared_mem:
-        stages = max(st for st in range(2, MAX_CHUNK_STAGES + 1)
-                     if st == 2 or footprint(st, True) <= min(shared_mem, share))
-        return ChunkPlan(stages, True, blocks if footprint(stages, True) <= share else 1)
+    if async_copy and footprint(CHUNK_STAGES, True) <= shared_mem:
+        blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
+        share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
+        return ChunkPlan(CHUNK_STAGES, True, blocks if footprint(CHUNK_STAGES, True) <= share else 1)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 
 
