@@ -74,6 +74,17 @@ template <DType T> __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
                     pack2_io<T>(v[6], v[7]));
 }
 
+// One 16-byte store to global memory. nvcc splits a plain uint4 store of freshly packed
+// values into four 32-bit stores (four times the L2 sectors of a warp's row pieces);
+// __stwb keeps it one st.global.v4.
+__device__ __forceinline__ void store16(void* p, uint4 v) {
+#if KDAGEN_NVIDIA && !defined(KDAGEN_EMULATE)
+  __stwb(reinterpret_cast<uint4*>(p), v);
+#else
+  *reinterpret_cast<uint4*>(p) = v;
+#endif
+}
+
 // ... and back: eight 16-bit values of one 16-byte word as floats.
 template <DType T> __device__ __forceinline__ void unpack8(uint4 w, float (&v)[8]) {
   static_assert(T != DType::kFP32, "16-bit values only");

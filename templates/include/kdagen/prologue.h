@@ -559,7 +559,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         const int i = i0 + j;
         out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2_fast(glast - Gs[i * LDG + gcol(d)]) : 0.0f;
       }
-      *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
+      store16(kg_t + d * C + i0, pack8<Io>(out8));
     }
     for (int d = tid; d < D; d += NT)
       a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + gcol(d)]);
@@ -644,7 +644,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         *reinterpret_cast<uint4*>(KB + i * LDK + c) = pack8<Mx>(kb);
         *reinterpret_cast<uint4*>(Qm + i * LDK + c) = pack8<Mx>(qa);
         *reinterpret_cast<uint4*>(Km + i * LDK + c) = pack8<DType::kBF16>(w8);
-        if (i < valid) *reinterpret_cast<uint4*>(qg + i * row_hd + c) = pack8<Io>(qo);
+        if (i < valid) store16(qg + i * row_hd + c, pack8<Io>(qo));
       }
     }
     __syncthreads();
@@ -663,7 +663,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         float out8[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) out8[j] = to_float<Mx>(KB[(i0 + j) * LDK + d]) * f;
-        *reinterpret_cast<uint4*>(kg_t + d * C + i0) = pack8<Io>(out8);
+        store16(kg_t + d * C + i0, pack8<Io>(out8));
       }
     }
 
@@ -736,7 +736,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
           const int i = e / (C / AV), j = (e % (C / AV)) * AV, ib = i / 16, jb = j / 16;
           if (jb == ib && dmma[ib] == 0) continue;  // stored by the exact path
           const uint4 x = jb > ib ? make_uint4(0, 0, 0, 0) : *reinterpret_cast<const uint4*>(Ab + i * LDA + j);
-          *reinterpret_cast<uint4*>(aqk + (t0 + i) * row_hc + h * C + j) = x;
+          store16(aqk + (t0 + i) * row_hc + h * C + j, x);
         }
       }
 #pragma unroll
@@ -800,7 +800,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         const bool is_u = e >= n_out;
         const int r = is_u ? e - n_out : e, i = r / PER_ROW, c = (r % PER_ROW) * VEC;
         const uint4 x = *reinterpret_cast<const uint4*>((is_u ? KB : KA) + i * LDK + c);
-        *reinterpret_cast<uint4*>((is_u ? uout : wout) + (t0 + i) * row_hd + h * D + c) = x;
+        store16((is_u ? uout : wout) + (t0 + i) * row_hd + h * D + c, x);
       }
     }
   } else {
@@ -813,7 +813,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       float out8[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) out8[j] = qval(i, c + j) * rq[i] * exp2_fast(Gs[i * LDG + gcol(c + j)]);
-      *reinterpret_cast<uint4*>(qg + i * row_hd + c) = pack8<Io>(out8);
+      store16(qg + i * row_hd + c, pack8<Io>(out8));
     }
   }
   store_kg_t_and_decay();
@@ -880,7 +880,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     for (int e = tid; e < valid * (C / VEC); e += NT) {
       const int i = e / (C / VEC), j = (e % (C / VEC)) * VEC;
       if (j >= 16 * (i / 16 + 1))
-        *reinterpret_cast<uint4*>(aqk + (t0 + i) * row_hc + h * C + j) = make_uint4(0, 0, 0, 0);
+        store16(aqk + (t0 + i) * row_hc + h * C + j, make_uint4(0, 0, 0, 0));
     }
   }
 
