@@ -110,7 +110,7 @@ def render(spec: KernelSpec) -> Rendered:
             resources.prologue_threads(spec.chunk_size)),
         chunk=resources.chunk_plan(spec.head_dim, spec.chunk_size, spec.block_width,
                                    spec.io_dtype, t.wave_size, t.shared_mem, t.async_copy,
-                                   t.cu_smem, t.block_smem_reserve),
+                                   t.cu_smem, t.block_smem_reserve, t.warpgroup_mma),
         pad16=resources.PAD_16BIT,
         pad32=resources.PAD_FP32,
         recurrent_rows=resources.RECURRENT_ROWS_PER_BLOCK,

@@ -90,13 +90,15 @@ def prologue_min_blocks(shared_mem_bytes: int, cu_smem: int, reserve: int,
 
 def chunk_footprint(
     head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
-    stages: int = 1, stage_uo: bool = False,
+    stages: int = 1, stage_uo: bool = False, wgmma: bool = False,
 ) -> Footprint:
-    """Per stage: w, qg (C x K), kg_t (K x C), aqk (C x C) tiles, [the u / o tile
+    """Per stage: w, qg (C x K), kg_t (K x C), aqk (C x C) tiles (rows padded for
+    ldmatrix, or unpadded core-matrix tiles with ``wgmma``), [the u / o tile
     (C x block_width)], and the fp32 chunk decay; ``stages`` such buffers (the largest
     walk's: pass one of the chunk groups stages no qg / aqk tiles)."""
     c, d = chunk_size, head_dim
-    elems = 2 * c * (d + PAD_16BIT) + d * (c + PAD_16BIT) + c * (c + PAD_16BIT)
+    pad = 0 if wgmma else PAD_16BIT
+    elems = 2 * c * (d + pad) + d * (c + pad) + c * (c + pad)
     if stage_uo:
         elems += c * (block_width + PAD_16BIT)
     waves = block_width // 16
@@ -117,6 +119,14 @@ class ChunkPlan:
     stages: int  # > 1: stages - 1 chunks' tiles load (asynchronously) ahead of the one walked
     stage_uo: bool  # u read and o written through LDS (16-byte accesses) instead of per element
     min_blocks: int = 1  # blocks the launch bound keeps resident per compute unit
+    wgmma: bool = False  # products as warpgroup instructions (B operands read from LDS by the tensor cores)
+
+
+def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:
+    """Whether the chunk scan issues its products per warpgroup: where the target has them,
+    for blocks of whole 64-row warpgroups and a head dimension the generated shapes cover
+    (N = chunk size and N = head_dim: 16, 32, 64, 128)."""
+    return warpgroup_mma and block_width % 64 == 0 and head_dim in (64, 128)
 
 
 def chunk_min_blocks(chunk_size: int, block_width: int, wave_size: int) -> int:
@@ -130,17 +140,19 @@ def chunk_min_blocks(chunk_size: int, block_width: int, wave_size: int) -> int:
 
 def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
                shared_mem: int, async_copy: bool, cu_shared_mem: int = 0,
-               block_smem_reserve: int = 0) -> ChunkPlan:
+               block_smem_reserve: int = 0, warpgroup_mma: bool = False) -> ChunkPlan:
     """The richest buffering that fits: ``CHUNK_STAGES`` stages with u / o staged where the
     target has asynchronous copies, with ``chunk_min_blocks`` resident blocks where their
-    share of the compute unit's LDS holds those stages (else 1); otherwise one stage, with
-    u / o staged if they fit."""
-    footprint = lambda st, uo: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
-                                               wave_size, st, uo).shared_mem
-    if async_copy and footprint(CHUNK_STAGES, True) <= shared_mem:
+    share of the compute unit's LDS holds those stages (else 1), and warpgroup products
+    where ``chunk_wgmma`` allows them; otherwise one stage, with u / o staged if they fit."""
+    wg = chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
+    footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
+                                                        wave_size, st, uo, w).shared_mem
+    if async_copy and footprint(CHUNK_STAGES, True, wg) <= shared_mem:
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
         share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
-        return ChunkPlan(CHUNK_STAGES, True, blocks if footprint(CHUNK_STAGES, True) <= share else 1)
+        fits = footprint(CHUNK_STAGES, True, wg) <= share
+        return ChunkPlan(CHUNK_STAGES, True, blocks if fits else 1, wg)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 
 

@@ -16,7 +16,8 @@ class Target:
     ``async_copy`` whether kernels may double-buffer through asynchronous copies,
     ``cu_shared_mem`` the LDS / shared memory of one compute unit (SM) that resident
     workgroups share, ``block_smem_reserve`` what the hardware keeps per resident
-    workgroup out of it (1 KB on Hopper).
+    workgroup out of it (1 KB on Hopper), ``warpgroup_mma`` whether four warps can issue
+    one matrix product with its B operand read from shared memory (wgmma, sm_90a).
     """
 
     name: str
@@ -30,6 +31,7 @@ class Target:
     async_copy: bool = False  # 16-byte asynchronous global -> shared copies (cp.async)
     cu_shared_mem: int = 0  # 0: the same as shared_mem
     block_smem_reserve: int = 0
+    warpgroup_mma: bool = False
 
     @property
     def cu_smem(self) -> int:
@@ -55,7 +57,7 @@ TARGETS: dict[str, Target] = {
             check_arch="gfx940",
         ),
         Target("sm_90", "nvidia", "sm_90a", 32, 232448, "mma.sync", "NVIDIA Hopper (H100, H200)",
-               async_copy=True, cu_shared_mem=233472, block_smem_reserve=1024),
+               async_copy=True, cu_shared_mem=233472, block_smem_reserve=1024, warpgroup_mma=True),
     )
 }
 

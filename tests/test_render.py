@@ -142,6 +142,7 @@ def test_default_constexprs():
         "kChunkStages": "2",  # cp.async double buffering
         "kChunkMinBlocks": "1",  # the c64 walk keeps its 255 registers
         "kStageUO": "true",
+        "kChunkWgmma": "true",  # sm_90a: the walk's products per warpgroup
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -197,6 +198,30 @@ def test_chunk_plan_asks_for_two_blocks_only_where_their_lds_fits():
     short = resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 2 * (stage2 + 1024) - 1, 1024)
     assert (fits.stages, fits.min_blocks) == (2, 2)
     assert (short.stages, short.min_blocks) == (2, 1)  # one block still takes both stages
+
+
+@pytest.mark.parametrize("spec, wgmma", [
+    (dict(), "true"),
+    (dict(chunk_size=16), "true"),
+    (dict(head_dim=64, io_dtype="fp16"), "true"),  # one warpgroup of 64 rows
+    (dict(chunk_size=32, block_width=64), "true"),
+    (dict(block_width=32), "false"),  # not whole warpgroups: per-wave mma.sync
+    (dict(block_width=16, head_dim=64, chunk_size=32), "false"),
+    (dict(target="gfx90a"), "false"),  # CDNA: MFMA per wave
+    (dict(target="gfx950", block_width=64), "false"),
+])
+def test_warpgroup_products_where_the_target_and_block_have_them(spec, wgmma):
+    assert constexprs(kernels(spec))["kChunkWgmma"] == wgmma
+
+
+def test_warpgroup_tiles_drop_the_ldmatrix_padding():
+    padded = resources.chunk_footprint(128, 16, 128, "bf16", 32, 2, True).shared_mem
+    tiles = resources.chunk_footprint(128, 16, 128, "bf16", 32, 2, True, wgmma=True).shared_mem
+    pad = resources.PAD_16BIT
+    assert padded - tiles == 2 * 2 * (2 * 16 * pad + 128 * pad + 16 * pad)  # 2 stages, 2 bytes
+    assert resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, warpgroup_mma=True).wgmma
+    assert not resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, False, warpgroup_mma=True).wgmma
+    assert not resources.chunk_plan(128, 16, 32, "bf16", 32, 232448, True, warpgroup_mma=True).wgmma
 
 
 def test_q_staging_follows_the_target_lds():

@@ -9,6 +9,10 @@
 // data) and its other operand from LDS, so waves share only the chunk's tiles:
 //   v_new^T = u^T - S^T w^T      o^T = scale S^T qg^T + v_new^T aqk^T
 //   S^T     = S^T Diag(decay) + v_new^T kg
+// With warpgroup products (Cfg::kChunkWgmma, sm_90a) four waves issue each product
+// together over their 64 rows and the tensor cores read the LDS operand themselves: the
+// w, qg, kg_t and aqk tiles are stored in the K-major core-matrix layout
+// (wg::tile_index) and read once per warpgroup, not once per wave through ldmatrix.
 //
 // Chunk groups (DESIGN 2): the walk is affine, S_{c+1} = M_c S_c + kg_c^T u_c.
 //   pass one  (kMode 1): per group but the last, the zero-start state B_g (rows < V) and
@@ -27,8 +31,9 @@ namespace kdagen {
 template <class Cfg, bool kOutputs = true>
 struct ChunkLayout {
   static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, BV = Cfg::kBlockV;
-  static constexpr int LDW = D + Cfg::kPad16;   // w, qg tiles [C][LDW]
-  static constexpr int LDC = C + Cfg::kPad16;   // kg_t [D][LDC], aqk [C][LDC]
+  static constexpr bool kWg = Cfg::kChunkWgmma;  // K-major core-matrix tiles (no padding)
+  static constexpr int LDW = kWg ? D : D + Cfg::kPad16;  // w, qg tiles [C][LDW]
+  static constexpr int LDC = kWg ? C : C + Cfg::kPad16;  // kg_t [D][LDC], aqk [C][LDC]
   static constexpr int LDU = BV + Cfg::kPad16;  // u in, o out [C][LDU] (kStageUO)
   static constexpr int kStages = Cfg::kChunkStages;  // > 1: kStages - 1 chunks load ahead of this one
   static constexpr int kElems = (kOutputs ? 2 : 1) * C * LDW + D * LDC + (kOutputs ? C * LDC : 0) +
@@ -37,6 +42,8 @@ struct ChunkLayout {
   static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kThreads = (BV / 16) * kWaveSize;
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
+  static_assert(!kWg || (BV % 64 == 0 && Cfg::kStageUO && kStages > 1),
+                "warpgroup products take 64-row warpgroups, u / o through LDS and async copies");
 };
 
 enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2 };
@@ -56,6 +63,24 @@ __device__ __forceinline__ void copy_rows(uint16_t* dst, const uint16_t* src, in
       const int r = e / (WIDTH / VEC), c = (e % (WIDTH / VEC)) * VEC;
       const bool in = r < valid;
       async::copy16(dst + r * LD + c, in ? src + r * row_stride + c : src, in);
+    }
+  }
+}
+
+// The same into a K-major tile of ROWS rows and K columns (wg::tile_index): piece q of row
+// r goes to core matrix (r / 8, q), row r % 8. Thread e takes piece e of the tile's
+// order, so eight neighbouring threads fill one 128-byte core matrix (conflict-free) and
+// read 16 bytes of eight rows each.
+template <int ROWS, int K, int NT>
+__device__ __forceinline__ void copy_tile(uint16_t* dst, const uint16_t* src, int row_stride, int valid) {
+  constexpr int KP = K / 8, N = ROWS * KP, ITERS = (N + NT - 1) / NT;
+#pragma unroll
+  for (int m = 0; m < ITERS; ++m) {
+    const int e = threadIdx.x + m * NT;
+    if (N % NT == 0 || e < N) {
+      const int r = (e / (8 * KP)) * 8 + (e & 7), q = (e >> 3) % KP;
+      const bool in = r < valid;
+      async::copy16(dst + 8 * e, in ? src + r * row_stride + 8 * q : src, in);
     }
   }
 }
@@ -99,6 +124,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   using Lay = ChunkLayout<Cfg, kOutputs>;
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
   constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
+  constexpr bool kWg = Lay::kWg;
   static_assert(sizeof(T) == 2, "the chunk scan takes 16-bit operands");
 
   KDAGEN_DYNAMIC_SHARED(smem);
@@ -165,16 +191,26 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   // Issue the copies of the next chunk's operands into stage `st`.
   auto load_next = [&](const Stage& st) {
     const int valid = min(C, next_rows);
-    copy_rows<C, D, LDW, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
-    if constexpr (kMode != kWalkPassOne) {
-      copy_rows<C, D, LDW, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
-      copy_rows<C, C, LDC, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
+    const uint16_t* kg_src = static_cast<const uint16_t*>(a.kg_t) + next_ch * C;  // kg_t [chunk][H][D][C]
+    if constexpr (kWg) {
+      copy_tile<C, D, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
+      if constexpr (kMode != kWalkPassOne) {
+        copy_tile<C, D, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
+        copy_tile<C, C, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
+      }
+      copy_tile<D, C, NT>(st.KGs, kg_src, C, D);
+    } else {
+      copy_rows<C, D, LDW, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
+      if constexpr (kMode != kWalkPassOne) {
+        copy_rows<C, D, LDW, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
+        copy_rows<C, C, LDC, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
+      }
+      copy_rows<D, C, LDC, NT>(st.KGs, kg_src, C, D);
     }
     if constexpr (Cfg::kStageUO) {
       if (!transfer)
         copy_rows<C, BV, Lay::LDU, NT>(st.Us, static_cast<const uint16_t*>(a.u) + next_hd + col0, ld_hd, valid);
     }
-    copy_rows<D, C, LDC, NT>(st.KGs, static_cast<const uint16_t*>(a.kg_t) + next_ch * C, C, D);  // kg_t [chunk][H][D][C]
     copy_rows<1, D * 2, D * 2, NT>(reinterpret_cast<uint16_t*>(st.Ds),
                                    reinterpret_cast<const uint16_t*>(a.decay + next_ch), 0, 1);
     async::commit();
@@ -204,6 +240,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     // ---- this chunk's operands in LDS (the next kStages - 1 chunks' copies in flight) -----
     if constexpr (SG > 1) {
       async::wait<SG - 2>();  // this thread's copies of chunk c have landed
+      if constexpr (kWg) wg::fence_async_smem();  // ... visible to the tensor cores' reads
       __syncthreads();        // everyone's have, and every reader of chunk c - 1 is done
       // refill chunk c - 1's stage with chunk c + kStages - 1
       if (c + SG - 1 < c1) load_next(stage_at((c + SG - 1 - c0) % SG));
@@ -229,63 +266,127 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
         });
       }
     }
+    // o's column tile ci into this wave's columns of the u / o tile (after every lane of
+    // the wave has read its u there), then the wave's 16 columns of o out, a 32-byte row
+    // segment per token as two 16-byte stores.
+    auto stage_o = [&](int ci, mma::Acc& oc) {
+      if (ci == 0) wave_sync();
+      mma::for_each(oc, [&](int r, int cc, float& x) {
+        Us[(16 * ci + cc) * Lay::LDU + 16 * wave + r] = from_float<Io>(x);
+      });
+    };
+    auto store_o = [&]() {
+      wave_sync();
+      T* const oc = out + t0 * row_hd + h * D + row0;  // this chunk's first row, this wave's columns
+      for (int e = lane_id(); e < 2 * valid; e += kWaveSize) {
+        const int i = e >> 1, half = e & 1;
+        *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
+            *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * wave + 8 * half);
+      }
+    };
+
+    if constexpr (kWg) {
+      // The warpgroup's products: -S^T times the w / qg tiles, KH k-slices per group (their
+      // bf16 -S^T stays in registers while in flight: KH = KT / 2 keeps the walk within
+      // 128 registers), then v_new^T times the aqk and (negated by the instruction) kg tiles.
+      constexpr int KH = KT / 2;
 #pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-      const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
+      for (int k0 = 0; k0 < KT; k0 += KH) {
+        mma::Frag sa[KH];
+#pragma unroll
+        for (int j = 0; j < KH; ++j) {
+          sa[j] = mma::to_a<Io>(S[k0 + j]);  // -S^T
+          wg::fence_operands(sa[j]);
+        }
+        wg::fence_operands(vn);
+        if constexpr (kOutputs) wg::fence_operands(o);
+        wg::fence();
+#pragma unroll
+        for (int j = 0; j < KH; ++j) {
+          wg::mma<C, Io>(vn, sa[j], wg::desc(Ws, D, k0 + j));
+          if constexpr (kOutputs) wg::mma<C, Io>(o, sa[j], wg::desc(Qs, D, k0 + j));
+        }
+        wg::commit();
+        wg::wait<0>();
+        wg::fence_operands(vn);
+        if constexpr (kOutputs) wg::fence_operands(o);
+      }
+
+      // o^T = -scale (-S^T qg^T) + v_new^T aqk^T (aqk is zero above its diagonal blocks);
+      // -S^T = (-S^T) Diag(decay) - v_new^T kg
+      mma::Frag va[CT];
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
-        mma::mma<Io>(vn[ct], s, mma::load_b_smem(Ws + (16 * ct) * LDW + 16 * kt, LDW));
-        if constexpr (kMode != kWalkPassOne)
-          mma::mma<Io>(o[ct], s, mma::load_b_smem(Qs + (16 * ct) * LDW + 16 * kt, LDW));
+        va[ct] = mma::to_a<Io>(vn[ct]);
+        wg::fence_operands(va[ct]);
+        if constexpr (kOutputs) mma::for_each(o[ct], [&](int, int, float& x) { x *= -a.scale; });
       }
-    }
-    mma::Frag va[CT];
 #pragma unroll
-    for (int ct = 0; ct < CT; ++ct) va[ct] = mma::to_a<Io>(vn[ct]);
-
-    // ---- o^T = -scale (-S^T qg^T) + v_new^T aqk^T (aqk is lower triangular by blocks) -------
-    if constexpr (kMode != kWalkPassOne) {
+      for (int kt = 0; kt < KT; ++kt)
+        mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+      wg::fence_operands(S);
+      if constexpr (kOutputs) wg::fence_operands(o);
+      wg::fence();
 #pragma unroll
-      for (int ci = 0; ci < CT; ++ci) {
-        mma::for_each(o[ci], [&](int, int, float& x) { x *= -a.scale; });
+      for (int ct = 0; ct < CT; ++ct) {
+        if constexpr (kOutputs) wg::mma<C, Io>(o, va[ct], wg::desc(As, C, ct));
+        wg::mma<D, Io, true>(S, va[ct], wg::desc(KGs, C, ct));
+      }
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_operands(S);
+      if constexpr (kOutputs) {
+        wg::fence_operands(o);
 #pragma unroll
-        for (int cj = 0; cj <= ci; ++cj)
-          mma::mma<Io>(o[ci], va[cj], mma::load_b_smem(As + (16 * ci) * LDC + 16 * cj, LDC));
-        if constexpr (Cfg::kStageUO) {
-          if (ci == 0) wave_sync();  // every lane has read its u (same columns of Us)
-          mma::for_each(o[ci], [&](int r, int cc, float& x) {
-            Us[(16 * ci + cc) * Lay::LDU + 16 * wave + r] = from_float<Io>(x);
-          });
-        } else {
-          mma::for_each(o[ci], [&](int r, int cc, float& x) {
-            const int i = 16 * ci + cc;
-            if (i < valid) out[(t0 + i) * row_hd + h * D + row0 + r] = from_float<Io>(x);
-          });
+        for (int ci = 0; ci < CT; ++ci) stage_o(ci, o[ci]);
+        store_o();
+      }
+    } else {
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct) {
+          mma::mma<Io>(vn[ct], s, mma::load_b_smem(Ws + (16 * ct) * LDW + 16 * kt, LDW));
+          if constexpr (kMode != kWalkPassOne)
+            mma::mma<Io>(o[ct], s, mma::load_b_smem(Qs + (16 * ct) * LDW + 16 * kt, LDW));
         }
       }
-      if constexpr (Cfg::kStageUO) {
-        // the wave's 16 columns of o, a 32-byte row segment per token, 16-byte stores
-        wave_sync();
-        T* const oc = out + t0 * row_hd + h * D + row0;  // this chunk's first row, this wave's columns
-        for (int e = lane_id(); e < 2 * valid; e += kWaveSize) {
-          const int i = e >> 1, half = e & 1;
-          *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
-              *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * wave + 8 * half);
+      mma::Frag va[CT];
+#pragma unroll
+      for (int ct = 0; ct < CT; ++ct) va[ct] = mma::to_a<Io>(vn[ct]);
+
+      // ---- o^T = -scale (-S^T qg^T) + v_new^T aqk^T (aqk is lower triangular by blocks) -----
+      if constexpr (kMode != kWalkPassOne) {
+#pragma unroll
+        for (int ci = 0; ci < CT; ++ci) {
+          mma::for_each(o[ci], [&](int, int, float& x) { x *= -a.scale; });
+#pragma unroll
+          for (int cj = 0; cj <= ci; ++cj)
+            mma::mma<Io>(o[ci], va[cj], mma::load_b_smem(As + (16 * ci) * LDC + 16 * cj, LDC));
+          if constexpr (Cfg::kStageUO) {
+            stage_o(ci, o[ci]);
+          } else {
+            mma::for_each(o[ci], [&](int r, int cc, float& x) {
+              const int i = 16 * ci + cc;
+              if (i < valid) out[(t0 + i) * row_hd + h * D + row0 + r] = from_float<Io>(x);
+            });
+          }
         }
+        if constexpr (Cfg::kStageUO) store_o();
+      }
+
+      // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
+#pragma unroll
+      for (int ct = 0; ct < CT; ++ct) va[ct] = mma::neg(va[ct]);
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct)
+          mma::mma<Io>(S[kt], va[ct], mma::load_b_smem(KGs + (16 * kt) * LDC + 16 * ct, LDC));
       }
     }
-
-    // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
-#pragma unroll
-    for (int ct = 0; ct < CT; ++ct) va[ct] = mma::neg(va[ct]);
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-      mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
-#pragma unroll
-      for (int ct = 0; ct < CT; ++ct)
-        mma::mma<Io>(S[kt], va[ct], mma::load_b_smem(KGs + (16 * kt) * LDC + 16 * ct, LDC));
-    }
-
     // ---- mid-prefill checkpoint: the state after the first ck_tokens tokens ----------------
     if (ck_tokens > 0 && (c + 1) * C == ck_tokens) {
       const int row = a.checkpoint_state_indices != nullptr ? a.checkpoint_state_indices[n] : n;

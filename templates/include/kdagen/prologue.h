@@ -133,7 +133,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   float* Lv = Sv + Lay::kScales * D;            // 2^(G_last - G_l(b)) of each block [NB][D]
   int* dmma = reinterpret_cast<int*>(Lv + NB * D);  // diagonal block b on the matrix units
 
-  const int chunk = blockIdx.x, h = blockIdx.y, H = a.num_heads;
+  const int H = a.num_heads, chunk = static_cast<int>(blockIdx.x) / H, h = static_cast<int>(blockIdx.x) % H;
   const int tid = threadIdx.x, lane = lane_id(), wave = wave_id();
   const int n = a.chunk_indices[2 * chunk], lc = a.chunk_indices[2 * chunk + 1];
   const int bos = a.cu_seqlens[n], eos = a.cu_seqlens[n + 1];

@@ -191,4 +191,20 @@ template <DType T> __device__ __forceinline__ void mma(Acc& d, const Frag& a, co
 }
 
 }  // namespace mma
+
+// No warpgroup products on CDNA: the chunk scan takes the per-wave matrix path. Declared
+// only, so that the warpgroup branch of a kernel (discarded here) still names them.
+namespace wg {
+constexpr bool kHardware = false;
+using Desc = uint64_t;
+__device__ int tile_index(int n, int k, int K);
+__device__ Desc desc(const uint16_t* tile, int K, int ks);
+__device__ void fence();
+__device__ void commit();
+template <int N> __device__ void wait();
+__device__ void fence_async_smem();
+template <int N> __device__ void fence_operands(mma::Acc (&d)[N]);
+__device__ void fence_operands(mma::Frag& a);
+template <int N, DType T, bool kNegA = false> __device__ void mma(mma::Acc (&d)[N / 16], const mma::Frag& a, Desc b);
+}  // namespace wg
 }  // namespace kdagen

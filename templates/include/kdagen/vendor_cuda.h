@@ -287,4 +287,213 @@ template <DType T> __device__ __forceinline__ void mma(Acc& d, const Frag& a, co
 }
 
 }  // namespace mma
+
+// Warpgroup products (wgmma, sm_90a): the four warps of a warpgroup (warps 4 w .. 4 w + 3)
+// multiply a 64-row A held in their registers (warp i: rows 16 i .. 16 i + 15, each in the
+// mma.sync A layout: a `Frag`) by a B that the tensor cores read from shared memory. The
+// accumulator of a warp's 16 rows is the mma.sync layout as well: N / 16 `Acc` tiles in
+// column order. Issued asynchronously: `fence` before a product whose registers were just
+// written, `commit` closes a group of products, `wait<N>` returns once at most N groups are
+// in flight; `fence_operands` keeps the compiler from moving register accesses across them.
+//
+// B tiles in shared memory use the canonical K-major layout without swizzle (PTX ISA,
+// "Shared Memory Matrix Layout"): B[k][n] of a tile with n rows and K columns is element
+//   ((n / 8) (K / 8) + k / 8) 64 + (n % 8) 8 + k % 8,
+// i.e. 8 x 8 core matrices of 128 contiguous bytes (a row of 8 k per 16 bytes), the K / 8
+// core matrices of an 8-row group 128 bytes apart (the leading byte offset), the row
+// groups 16 K bytes apart (the stride byte offset).
+namespace wg {
+using mma::Acc;
+using mma::Frag;
+constexpr bool kHardware = true;
+
+__host__ __device__ constexpr int tile_index(int n, int k, int K) {
+  return ((n >> 3) * (K >> 3) + (k >> 3)) * 64 + (n & 7) * 8 + (k & 7);
+}
+
+#if defined(KDAGEN_EMULATE)
+struct Desc { const uint16_t* tile; int K, ks; };
+// The 16-column slice ks of a K-major tile with K columns.
+__device__ __forceinline__ Desc desc(const uint16_t* tile, int K, int ks) { return {tile, K, ks}; }
+__device__ __forceinline__ void fence() {}
+__device__ __forceinline__ void commit() {}
+template <int N> __device__ __forceinline__ void wait() {}
+__device__ __forceinline__ void fence_async_smem() {}
+template <int N> __device__ __forceinline__ void fence_operands(Acc (&)[N]) {}
+__device__ __forceinline__ void fence_operands(Frag&) {}
+// d (N / 16 tiles) += a * B: this warp's 16 rows as mma.sync products, B gathered from the
+// tile through the layout above (so a wrong tile layout or slice shows up here too).
+template <int N, DType T, bool kNegA = false>
+__device__ __forceinline__ void mma(Acc (&d)[N / 16], const Frag& a, Desc b) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const Frag x = kNegA ? mma::neg(a) : a;  // the hardware's scale-a of -1
+  auto two = [&](int n, int k) {
+    const uint16_t* p = b.tile + tile_index(n, 16 * b.ks + k, b.K);
+    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 16);
+  };
+  for (int j = 0; j < N / 8; ++j)
+    kdagen_emu::mma16816(&d[j / 2].v[4 * (j % 2)], x.r, two(8 * j + g, 2 * t), two(8 * j + g, 2 * t + 8),
+                         T == DType::kBF16);
+}
+#else
+using Desc = uint64_t;
+// The 16-column slice ks of a K-major tile with K columns: start address, leading byte
+// offset 128, stride byte offset 16 K, no swizzle (each field in 16-byte units).
+__device__ __forceinline__ Desc desc(const uint16_t* tile, int K, int ks) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile)) + 256u * ks;
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
+         (static_cast<uint64_t>((16 * K) >> 4) << 32);
+}
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared memory written by the threads (cp.async included) becomes visible to the tensor
+// cores' reads (the async proxy): each writer fences, then the block synchronises.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void fence_operands(Acc (&d)[N]) {
+#pragma unroll
+  for (int t = 0; t < N; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) asm volatile("" : "+f"(d[t].v[e])::"memory");
+}
+__device__ __forceinline__ void fence_operands(Frag& a) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a.r[i])::"memory");
+}
+template <int N, DType T> struct Mma;  // run<kNegA>: d += (kNegA ? -a : a) * B
+// d (N / 16 tiles) += a * B, N = 16, 32, 64, 128 (the chunk and the head dimension).
+template <> struct Mma<16, DType::kBF16> {
+  template <bool kNegA>
+  static __device__ __forceinline__ void run(Acc (&d)[1], const Frag& a, uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, "
+        "{%8,%9,%10,%11}, %12, 1, %13, 1, 0;\n"
+        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
+        : "memory");
+  }
+};
+template <> struct Mma<16, DType::kFP16> {
+  template <bool kNegA>
+  static __device__ __forceinline__ void run(Acc (&d)[1], const Frag& a, uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, "
+        "{%8,%9,%10,%11}, %12, 1, %13, 1, 0;\n"
+        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
+        : "memory");
+  }
+};
+template <> struct Mma<32, DType::kBF16> {
+  template <bool kNegA>
+  static __device__ __forceinline__ void run(Acc (&d)[2], const Frag& a, uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "{%16,%17,%18,%19}, %20, 1, %21, 1, 0;\n"
+        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
+          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
+        : "memory");
+  }
+};
+template <> struct Mma<32, DType::kFP16> {
+  template <bool kNegA>
+  static __device__ __forceinline__ void run(Acc (&d)[2], const Frag& a, uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "{%16,%17,%18,%19}, %20, 1, %21, 1, 0;\n"
+        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
+          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
+        : "memory");
+  }
+};
+template <> struct Mma<64, DType::kBF16> {
+  template <bool kNegA>
+  static __device__ __forceinline__ void run(Acc (&d)[4], const Frag& a, uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "{%32,%33,%34,%35}, %36, 1, %37, 1, 0;\n"
+        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
+          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]),
+          "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]),
+          "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
+        : "memory");
+  }
+};
+template <> struct Mma<64, DType::kFP16> {
+  template <bool kNegA>
+  static __device__ __forceinline__ void run(Acc (&d)[4], const Frag& a, uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "{%32,%33,%34,%35}, %36, 1, %37, 1, 0;\n"
+        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
+          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]),
+          "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]),
+          "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
+        : "memory");
+  }
+};
+template <> struct Mma<128, DType::kBF16> {
+  template <bool kNegA>
+  static __device__ __forceinline__ void run(Acc (&d)[8], const Frag& a, uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "{%64,%65,%66,%67}, %68, 1, %69, 1, 0;\n"
+        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
+          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]),
+          "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]),
+          "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7]),
+          "+f"(d[4].v[0]), "+f"(d[4].v[1]), "+f"(d[4].v[2]), "+f"(d[4].v[3]), "+f"(d[4].v[4]), "+f"(d[4].v[5]), "+f"(d[4].v[6]), "+f"(d[4].v[7]),
+          "+f"(d[5].v[0]), "+f"(d[5].v[1]), "+f"(d[5].v[2]), "+f"(d[5].v[3]), "+f"(d[5].v[4]), "+f"(d[5].v[5]), "+f"(d[5].v[6]), "+f"(d[5].v[7]),
+          "+f"(d[6].v[0]), "+f"(d[6].v[1]), "+f"(d[6].v[2]), "+f"(d[6].v[3]), "+f"(d[6].v[4]), "+f"(d[6].v[5]), "+f"(d[6].v[6]), "+f"(d[6].v[7]),
+          "+f"(d[7].v[0]), "+f"(d[7].v[1]), "+f"(d[7].v[2]), "+f"(d[7].v[3]), "+f"(d[7].v[4]), "+f"(d[7].v[5]), "+f"(d[7].v[6]), "+f"(d[7].v[7])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
+        : "memory");
+  }
+};
+template <> struct Mma<128, DType::kFP16> {
+  template <bool kNegA>
+  static __device__ __forceinline__ void run(Acc (&d)[8], const Frag& a, uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "{%64,%65,%66,%67}, %68, 1, %69, 1, 0;\n"
+        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
+          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]),
+          "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]),
+          "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7]),
+          "+f"(d[4].v[0]), "+f"(d[4].v[1]), "+f"(d[4].v[2]), "+f"(d[4].v[3]), "+f"(d[4].v[4]), "+f"(d[4].v[5]), "+f"(d[4].v[6]), "+f"(d[4].v[7]),
+          "+f"(d[5].v[0]), "+f"(d[5].v[1]), "+f"(d[5].v[2]), "+f"(d[5].v[3]), "+f"(d[5].v[4]), "+f"(d[5].v[5]), "+f"(d[5].v[6]), "+f"(d[5].v[7]),
+          "+f"(d[6].v[0]), "+f"(d[6].v[1]), "+f"(d[6].v[2]), "+f"(d[6].v[3]), "+f"(d[6].v[4]), "+f"(d[6].v[5]), "+f"(d[6].v[6]), "+f"(d[6].v[7]),
+          "+f"(d[7].v[0]), "+f"(d[7].v[1]), "+f"(d[7].v[2]), "+f"(d[7].v[3]), "+f"(d[7].v[4]), "+f"(d[7].v[5]), "+f"(d[7].v[6]), "+f"(d[7].v[7])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
+        : "memory");
+  }
+};
+template <int N, DType T, bool kNegA = false>
+__device__ __forceinline__ void mma(Acc (&d)[N / 16], const Frag& a, Desc b) {
+  Mma<N, T>::template run<kNegA>(d, a, b);
+}
+#endif
+}  // namespace wg
 }  // namespace kdagen
