@@ -44,6 +44,7 @@ struct ChunkLayout {
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
   static_assert(!kWg || (BV % 64 == 0 && Cfg::kStageUO && kStages > 1),
                 "warpgroup products take 64-row warpgroups, u / o through LDS and async copies");
+  static_assert(!kWg || LDW == D, "warpgroup products read the w and qg tiles as one 2C-row tile");
 };
 
 enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2 };
@@ -286,10 +287,18 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     };
 
     if constexpr (kWg) {
-      // The warpgroup's products: -S^T times the w / qg tiles, KH k-slices per group (their
-      // bf16 -S^T stays in registers while in flight: KH = KT / 2 keeps the walk within
-      // 128 registers), then v_new^T times the aqk and (negated by the instruction) kg tiles.
-      constexpr int KH = KT / 2;
+      // The warpgroup's products: -S^T times the w and qg tiles as one operand of 2 C rows
+      // (the qg tile follows the w tile in LDS: v_new^T and -S^T qg^T from one product),
+      // KH k-slices per group (their bf16 -S^T stays in registers while in flight: KH =
+      // KT / 2 keeps the walk within 128 registers); then v_new^T times the aqk and
+      // (negated by the instruction) kg tiles.
+      constexpr int KH = KT / 2, NV = kOutputs ? 2 * C : C;
+      mma::Acc vo[NV / 16];  // v_new^T | o^T
+#pragma unroll
+      for (int ct = 0; ct < CT; ++ct) {
+        vo[ct] = vn[ct];
+        if constexpr (kOutputs) vo[CT + ct] = o[ct];
+      }
 #pragma unroll
       for (int k0 = 0; k0 < KT; k0 += KH) {
         mma::Frag sa[KH];
@@ -298,18 +307,18 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
           sa[j] = mma::to_a<Io>(S[k0 + j]);  // -S^T
           wg::fence_operands(sa[j]);
         }
-        wg::fence_operands(vn);
-        if constexpr (kOutputs) wg::fence_operands(o);
+        wg::fence_operands(vo);
         wg::fence();
 #pragma unroll
-        for (int j = 0; j < KH; ++j) {
-          wg::mma<C, Io>(vn, sa[j], wg::desc(Ws, D, k0 + j));
-          if constexpr (kOutputs) wg::mma<C, Io>(o, sa[j], wg::desc(Qs, D, k0 + j));
-        }
+        for (int j = 0; j < KH; ++j) wg::mma<NV, Io>(vo, sa[j], wg::desc(Ws, D, k0 + j));
         wg::commit();
         wg::wait<0>();
-        wg::fence_operands(vn);
-        if constexpr (kOutputs) wg::fence_operands(o);
+        wg::fence_operands(vo);
+      }
+#pragma unroll
+      for (int ct = 0; ct < CT; ++ct) {
+        vn[ct] = vo[ct];
+        if constexpr (kOutputs) o[ct] = vo[CT + ct];
       }
 
       // o^T = -scale (-S^T qg^T) + v_new^T aqk^T (aqk is zero above its diagonal blocks);
