@@ -110,6 +110,9 @@ def chunk_footprint(
 # 0.586 / 0.594 / 0.595 ms for 2 / 3 / 4, docs/NOTES.md v11) and took more registers (c32:
 # 170 -> 206).
 CHUNK_STAGES = 2
+# Chunks beyond the copies in flight that the walk asks L2 to prefetch (sm_90 bulk
+# prefetch; 0: none).
+CHUNK_PREFETCH = 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class ChunkPlan:
     stage_uo: bool  # u read and o written through LDS (16-byte accesses) instead of per element
     min_blocks: int = 1  # blocks the launch bound keeps resident per compute unit
     wgmma: bool = False  # products as warpgroup instructions (B operands read from LDS by the tensor cores)
+    prefetch: int = 0  # chunks ahead of the copies that an L2 prefetch requests (0: none)
 
 
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:
@@ -152,7 +156,7 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
         share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
         fits = footprint(CHUNK_STAGES, True, wg) <= share
-        return ChunkPlan(CHUNK_STAGES, True, blocks if fits else 1, wg)
+        return ChunkPlan(CHUNK_STAGES, True, blocks if fits else 1, wg, CHUNK_PREFETCH if wg else 0)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 
 
