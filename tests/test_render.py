@@ -143,6 +143,7 @@ def test_default_constexprs():
         "kChunkMinBlocks": "1",  # the c64 walk keeps its 255 registers
         "kStageUO": "true",
         "kChunkWgmma": "true",  # sm_90a: the walk's products per warpgroup
+        "kChunkPrefetch": str(resources.CHUNK_PREFETCH),
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
