@@ -126,11 +126,16 @@ class ChunkPlan:
     prefetch: int = 0  # chunks ahead of the copies that an L2 prefetch requests (0: none)
 
 
+# Whether the chunk scan may issue its products per warpgroup (wgmma) where the target
+# and the block allow it (chunk_wgmma).
+CHUNK_WGMMA = True
+
+
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:
     """Whether the chunk scan issues its products per warpgroup: where the target has them,
     for blocks of whole 64-row warpgroups and a head dimension the generated shapes cover
     (N = chunk size and N = head_dim: 16, 32, 64, 128)."""
-    return warpgroup_mma and block_width % 64 == 0 and head_dim in (64, 128)
+    return CHUNK_WGMMA and warpgroup_mma and block_width % 64 == 0 and head_dim in (64, 128)
 
 
 def chunk_min_blocks(chunk_size: int, block_width: int, wave_size: int) -> int:
@@ -145,18 +150,22 @@ def chunk_min_blocks(chunk_size: int, block_width: int, wave_size: int) -> int:
 def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
                shared_mem: int, async_copy: bool, cu_shared_mem: int = 0,
                block_smem_reserve: int = 0, warpgroup_mma: bool = False) -> ChunkPlan:
-    """The richest buffering that fits: ``CHUNK_STAGES`` stages with u / o staged where the
-    target has asynchronous copies, with ``chunk_min_blocks`` resident blocks where their
-    share of the compute unit's LDS holds those stages (else 1), and warpgroup products
-    where ``chunk_wgmma`` allows them; otherwise one stage, with u / o staged if they fit."""
+    """The richest buffering that fits: up to ``CHUNK_STAGES`` stages (the most that fit,
+    at least 2) with u / o staged where the target has asynchronous copies, with
+    ``chunk_min_blocks`` resident blocks where their share of the compute unit's LDS holds
+    those stages (else 1), and warpgroup products where ``chunk_wgmma`` allows them;
+    otherwise one stage, with u / o staged if they fit."""
     wg = chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
     footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
                                                         wave_size, st, uo, w).shared_mem
-    if async_copy and footprint(CHUNK_STAGES, True, wg) <= shared_mem:
+    if async_copy and footprint(2, True, wg) <= shared_mem:
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
         share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
-        fits = footprint(CHUNK_STAGES, True, wg) <= share
-        return ChunkPlan(CHUNK_STAGES, True, blocks if fits else 1, wg, CHUNK_PREFETCH if wg else 0)
+        fits = lambda st: footprint(st, True, wg) <= min(share, shared_mem)
+        if not fits(2):
+            blocks, share = 1, shared_mem
+        stages = max([st for st in range(2, max(2, CHUNK_STAGES) + 1) if fits(st)], default=2)
+        return ChunkPlan(stages, True, blocks, wg, CHUNK_PREFETCH if wg else 0)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 
 
