@@ -124,6 +124,7 @@ def plan(spec: KernelSpec, mode: Mode = "full") -> Entry:
     ident = {
         "spec": spec.canonical(),
         "templates": templates_digest(),
+        "sources": render(spec).digest(),  # the Config follows resources.py constants too
         "mode": mode,
         "device_compiler": [dev.path, dev.version, dev.arch, list(dev.flags)],
         "torch": None if tc is None else [tc.torch_version, tc.cxx, list(tc.defines), list(tc.libraries)],

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .ops import Kernels
-from .render import render, symbol_prefix, templates_digest
+from .render import render, symbol_prefix
 from .spec import KernelSpec, spec_from_any
 
 
@@ -145,7 +145,9 @@ def emulated(spec: KernelSpec | dict | str | Path) -> Kernels:
     """Build (once per spec and template version) and load the CPU emulation of a variant."""
     spec = spec_from_any(spec)
     rendered = render(spec)
-    key = hashlib.sha256((spec.uri + templates_digest()).encode()).hexdigest()[:12]
+    # keyed by what is compiled: the rendered sources (their Config follows kdagen's
+    # resource constants too, not only the spec and the templates)
+    key = rendered.digest()[:12]
     root = _build_dir() / f"{spec.name}-{key}"
     lib_path = root / "emulated.so"
     if not lib_path.is_file():

@@ -71,6 +71,13 @@ class Rendered:
     spec: KernelSpec
     files: dict[str, str]
 
+    def digest(self) -> str:
+        """SHA-256 of every rendered file (paths and contents): what a build compiles."""
+        h = hashlib.sha256()
+        for rel in sorted(self.files):
+            h.update(rel.encode() + b"\0" + self.files[rel].encode() + b"\0")
+        return h.hexdigest()
+
     def write(self, folder: Path) -> list[Path]:
         """Write into ``folder`` (created), only rewriting files that changed."""
         written = []

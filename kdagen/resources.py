@@ -110,9 +110,6 @@ def chunk_footprint(
 # 0.586 / 0.594 / 0.595 ms for 2 / 3 / 4, docs/NOTES.md v11) and took more registers (c32:
 # 170 -> 206).
 CHUNK_STAGES = 2
-# Chunks beyond the copies in flight that the walk asks L2 to prefetch (sm_90 bulk
-# prefetch; 0: none).
-CHUNK_PREFETCH = 0
 
 
 @dataclass(frozen=True)
@@ -123,12 +120,14 @@ class ChunkPlan:
     stage_uo: bool  # u read and o written through LDS (16-byte accesses) instead of per element
     min_blocks: int = 1  # blocks the launch bound keeps resident per compute unit
     wgmma: bool = False  # products as warpgroup instructions (B operands read from LDS by the tensor cores)
-    prefetch: int = 0  # chunks ahead of the copies that an L2 prefetch requests (0: none)
 
 
 # Whether the chunk scan may issue its products per warpgroup (wgmma) where the target
-# and the block allow it (chunk_wgmma).
-CHUNK_WGMMA = True
+# and the block allow it (chunk_wgmma). Off: on the H200 the wgmma walk measured slower
+# than the per-wave mma.sync walk (c16, 8x4096x32: 0.625 against 0.584 ms; with 4 stages
+# 0.636, with an L2 prefetch 0.698; docs/NOTES.md v12). The path is kept and checked by
+# the CPU emulation (tests/test_emulated_kernels.py forces it on).
+CHUNK_WGMMA = False
 
 
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:
@@ -165,7 +164,7 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         if not fits(2):
             blocks, share = 1, shared_mem
         stages = max([st for st in range(2, max(2, CHUNK_STAGES) + 1) if fits(st)], default=2)
-        return ChunkPlan(stages, True, blocks, wg, CHUNK_PREFETCH if wg else 0)
+        return ChunkPlan(stages, True, blocks, wg)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 
 

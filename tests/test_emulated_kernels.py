@@ -102,6 +102,33 @@ def test_prologue_and_chunk_match_the_reference(case):
 
 
 @needs_clang
+@pytest.mark.parametrize("C", [16, 32])
+def test_warpgroup_chunk_scan_matches_the_reference(C, monkeypatch):
+    """The sm_90a chunk scan with its products per warpgroup (wgmma: K-major core-matrix
+    tiles read through descriptors, v_new and -S qg from one product of 2 C columns),
+    off by default (resources.CHUNK_WGMMA) and kept checked here."""
+    from kdagen import resources
+
+    monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
+    kern = emulated(head_dim=64, chunk_size=C, block_width=64, gate="lower_bound", target="sm_90")
+    from kdagen.render import render
+
+    assert "kChunkWgmma = true;" in render(kern.spec).files["kernels.hip"]
+    x = make_inputs(lens_for(C) + [7 * C + 3], 2, 64, device="cpu", gate="lower_bound", seed=C)
+    p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    N = x.cu_seqlens.numel() - 1
+    init = torch.randn(N, 2, 64, 64, generator=torch.Generator().manual_seed(2)) * 0.1
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
+    for groups in (1, 3):
+        out = torch.full_like(p["u"], float("nan"))
+        o, s = kern.fused_kda_chunk(*(p[k] for k in OPS), out, None, x.cu_seqlens, init, True,
+                                    groups=groups)
+        assert rel_err(o, o_ref) < TOL, (groups, rel_err(o, o_ref))
+        assert rel_err(s, s_ref) < TOL, (groups, rel_err(s, s_ref))
+
+
+@needs_clang
 @pytest.mark.parametrize("target,gate", [("sm_90", "lower_bound"), ("gfx90a", "lower_bound"),
                                          ("sm_90", "softplus")])
 def test_strong_decay_stays_finite_and_exact(target, gate):

@@ -142,8 +142,7 @@ def test_default_constexprs():
         "kChunkStages": "2",  # cp.async double buffering
         "kChunkMinBlocks": "1",  # the c64 walk keeps its 255 registers
         "kStageUO": "true",
-        "kChunkWgmma": "true",  # sm_90a: the walk's products per warpgroup
-        "kChunkPrefetch": str(resources.CHUNK_PREFETCH),
+        "kChunkWgmma": "false",  # resources.CHUNK_WGMMA: per-wave mma.sync (measured faster)
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -211,8 +210,14 @@ def test_chunk_plan_asks_for_two_blocks_only_where_their_lds_fits():
     (dict(target="gfx90a"), "false"),  # CDNA: MFMA per wave
     (dict(target="gfx950", block_width=64), "false"),
 ])
-def test_warpgroup_products_where_the_target_and_block_have_them(spec, wgmma):
+def test_warpgroup_products_where_the_target_and_block_have_them(spec, wgmma, monkeypatch):
+    monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
     assert constexprs(kernels(spec))["kChunkWgmma"] == wgmma
+
+
+def test_warpgroup_products_off_by_default():
+    assert not resources.CHUNK_WGMMA
+    assert constexprs(kernels(dict(chunk_size=16)))["kChunkWgmma"] == "false"
 
 
 def test_warpgroup_tiles_drop_the_ldmatrix_padding():
@@ -220,7 +225,8 @@ def test_warpgroup_tiles_drop_the_ldmatrix_padding():
     tiles = resources.chunk_footprint(128, 16, 128, "bf16", 32, 2, True, wgmma=True).shared_mem
     pad = resources.PAD_16BIT
     assert padded - tiles == 2 * 2 * (2 * 16 * pad + 128 * pad + 16 * pad)  # 2 stages, 2 bytes
-    assert resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, warpgroup_mma=True).wgmma
+    assert resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, warpgroup_mma=True).wgmma \
+        == resources.CHUNK_WGMMA
     assert not resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, False, warpgroup_mma=True).wgmma
     assert not resources.chunk_plan(128, 16, 32, "bf16", 32, 232448, True, warpgroup_mma=True).wgmma
 

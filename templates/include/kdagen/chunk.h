@@ -215,24 +215,6 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     copy_rows<1, D * 2, D * 2, NT>(reinterpret_cast<uint16_t*>(st.Ds),
                                    reinterpret_cast<const uint16_t*>(a.decay + next_ch), 0, 1);
     async::commit();
-    // the chunk kChunkPrefetch chunks after this one into L2: a bulk prefetch per row
-    // segment, a thread each (rows 0..C-1 of w, qg, u, aqk; kg_t and decay whole)
-    if constexpr (Cfg::kChunkPrefetch > 0) {
-      constexpr int P = Cfg::kChunkPrefetch;
-      const int rows = min(C, next_rows - P * C), t = threadIdx.x, r = t % 32;
-      if (rows > 0) {
-        const int64_t hd = next_hd + static_cast<int64_t>(P) * C * row_hd + static_cast<int64_t>(r) * row_hd;
-        const int64_t hc = next_hc + static_cast<int64_t>(P) * C * row_hc + static_cast<int64_t>(r) * row_hc;
-        const int64_t ch = next_ch + static_cast<int64_t>(P) * H * D;
-        const int part = t / 32;
-        if (r < rows && part == 0) async::prefetch_l2(static_cast<const uint16_t*>(a.w) + hd, D * 2);
-        if (r < rows && part == 1 && kMode != kWalkPassOne) async::prefetch_l2(static_cast<const uint16_t*>(a.qg) + hd, D * 2);
-        if (r < rows && part == 2 && !transfer) async::prefetch_l2(static_cast<const uint16_t*>(a.u) + hd + col0, BV * 2);
-        if (r < rows && part == 3 && kMode != kWalkPassOne) async::prefetch_l2(static_cast<const uint16_t*>(a.aqk) + hc, C * 2);
-        if (t == 4 * 32) async::prefetch_l2(static_cast<const uint16_t*>(a.kg_t) + ch * C, D * C * 2);
-        if (t == 4 * 32 + 1) async::prefetch_l2(a.decay + ch, D * 4);
-      }
-    }
     next_hd += C * row_hd;
     next_hc += C * row_hc;
     next_ch += static_cast<int64_t>(H) * D;

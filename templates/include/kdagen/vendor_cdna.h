@@ -70,7 +70,6 @@ __device__ __forceinline__ void copy16(void* smem, const void* gmem, bool pred) 
 }
 __device__ __forceinline__ void commit() {}
 template <int N> __device__ __forceinline__ void wait() {}
-__device__ __forceinline__ void prefetch_l2(const void*, int) {}  // (a hint; none here)
 }  // namespace async
 
 namespace mma {

@@ -69,7 +69,6 @@ __device__ __forceinline__ void copy16(void* smem, const void* gmem, bool pred) 
 }
 __device__ __forceinline__ void commit() { kdagen_emu::cp_commit(); }
 template <int N> __device__ __forceinline__ void wait() { kdagen_emu::cp_wait(N); }
-__device__ __forceinline__ void prefetch_l2(const void*, int) {}
 #else
 __device__ __forceinline__ void copy16(void* smem, const void* gmem, bool pred) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -80,11 +79,6 @@ __device__ __forceinline__ void copy16(void* smem, const void* gmem, bool pred) 
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-// A hint: `bytes` (a multiple of 16, from a 16-byte aligned address) into L2, one bulk
-// request (sm_90); nothing waits on it.
-__device__ __forceinline__ void prefetch_l2(const void* gmem, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
 }
 #endif
 }  // namespace async
