@@ -2,7 +2,9 @@
 # Profile the prologue and the chunk scan with Nsight Compute on one bench shape
 # (built with -lineinfo so the source page maps SASS to template lines).
 #   bash scripts/profile.sh [shape] [gate] [chunk] [width]   e.g. 1x32768:32 lower_bound 32 128
-# Writes $OUT/{prologue,chunk}.ncu-rep, details_*.txt and sass_*.csv.
+# Writes $OUT/details_{prologue,chunk}.txt, sass_*.csv.gz (the SASS page) and lines_*.txt
+# (stall samples and instructions per template line: scripts/ncu_lines.py); the reports
+# stay in /tmp/kdagen-ncu (few files come back from the device tool).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdagen-out}; mkdir -p "$OUT"
@@ -10,13 +12,16 @@ source scripts/carried_wheels.sh
 export KDAGEN_CACHE_DIR=${KDAGEN_CACHE_DIR:-/tmp/kdagen-cache} KDAGEN_DEVICE_FLAGS=-lineinfo
 shape=${1:-1x32768:32}; gate=${2:-lower_bound}; chunk=${3:-64}; width=${4:-128}
 python3 scripts/profile_kernels.py "$shape" "$gate" "$chunk" "$width" || exit 1
+REP=/tmp/kdagen-ncu; mkdir -p "$REP"
+python3 scripts/ncu_lines.py --listing "$REP/listing.sass" "$shape" "$gate" "$chunk" "$width" > /dev/null || exit 1
 for k in prologue_kernel chunk_kernel; do
   name=${k%_kernel}
   ncu --clock-control none -k "regex:$k" --launch-skip 1 --launch-count 1 --set full \
-    --import-source yes -f -o "$OUT/$name" python3 scripts/profile_kernels.py "$shape" "$gate" "$chunk" "$width" \
-    > "$OUT/ncu_$name.log" 2>&1 || tail -n 20 "$OUT/ncu_$name.log"
-  ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1
-  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_$name.csv" 2>&1
-  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source cuda > "$OUT/src_$name.csv" 2>&1
+    --import-source yes -f -o "$REP/$name" python3 scripts/profile_kernels.py "$shape" "$gate" "$chunk" "$width" \
+    > "$REP/ncu_$name.log" 2>&1 || tail -n 20 "$REP/ncu_$name.log"
+  ncu -i "$REP/$name.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1
+  ncu -i "$REP/$name.ncu-rep" --page source --csv --print-source sass | gzip > "$OUT/sass_$name.csv.gz"
+  python3 scripts/ncu_lines.py "$OUT/sass_$name.csv.gz" "$REP/listing.sass" "$k" 30 > "$OUT/lines_$name.txt" 2>&1
   grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|Compute \(SM\)|Shared Memory Configuration Size|Block Limit" "$OUT/details_$name.txt" | head -n 20
+  head -n 25 "$OUT/lines_$name.txt"
 done

@@ -1,0 +1,80 @@
+"""scripts/ncu_lines.py: an ncu SASS-page csv joined with an nvdisasm -g listing by offset."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("ncu_lines", ROOT / "scripts" / "ncu_lines.py")
+ncu_lines = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ncu_lines)
+
+LISTING = """\
+.text._ZN6kdagen12other_kernelEv:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.text._ZN6kdagen15prologue_kernelINS_6ConfigEEEvNS_12PrologueArgsE:
+\t//## File "/x/include/kdagen/prologue.h", line 136
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R31, SR_CTAID.X ;
+\t//## File "/x/include/kdagen/prologue.h", line 647
+        /*0020*/              @!P0 STG.E.128 desc[UR12][R14.64], R8 ;
+        /*0030*/                   EXIT ;
+"""
+
+HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+          "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
+ROWS = [
+    ["0x7f0000001000", "LDC R1, c[0x0][0x28]", "10", "100", "8", "1", "8"],
+    ["0x7f0000001010", "S2R R31, SR_CTAID.X", "30", "100", "0", "30", "0"],
+    ["0x7f0000001020", "@!P0 STG.E.128 desc[UR12][R14.64], R8", "60", "50", "50", "5", "50"],
+    ["0x7f0000001030", "BRA 0x7f0000001030", "0", "0", "0", "0", "0"],  # not EXIT: a mismatch
+]
+
+
+def _write(tmp_path: Path) -> tuple[Path, Path]:
+    csv_path = tmp_path / "sass.csv.gz"
+    lines = ['"Kernel Name","prologue_kernel",""', ",".join(f'"{h}"' for h in HEADER)]
+    lines += [",".join(f'"{c}"' for c in r) for r in ROWS]
+    with gzip.open(csv_path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    listing = tmp_path / "listing.sass"
+    listing.write_text(LISTING)
+    return csv_path, listing
+
+
+def test_rows_join_their_source_lines(tmp_path):
+    csv_path, listing = _write(tmp_path)
+    name, rows = ncu_lines.read_ncu_sass(csv_path)
+    assert name == "prologue_kernel" and len(rows) == 4
+    lst = ncu_lines.read_listing(listing, "prologue_kernel")
+    assert lst[0x20] == (("prologue.h", 647), "STG.E.128")  # the predicate is not the opcode
+    agg, bad = ncu_lines.per_line(rows, lst)
+    assert bad == 1
+    assert agg[("prologue.h", 136)]["inst"] == 200 and agg[("prologue.h", 136)]["samples"] == 40
+    assert agg[("prologue.h", 647)]["long_sb"] == 50 + 0  # issued-and-not reasons are not summed twice
+    text = ncu_lines.report(agg, 2)
+    first = text.splitlines()[1]
+    assert first.startswith("prologue.h:647") and "samples  60.0%" in first and "long_sb 0.83" in first
+
+
+def test_other_kernels_in_the_listing_are_left_out(tmp_path):
+    _, listing = _write(tmp_path)
+    lst = ncu_lines.read_listing(listing, "prologue_kernel")
+    assert set(lst) == {0x0, 0x10, 0x20, 0x30}
+    assert lst[0x0][1] == "LDC"
+
+
+def test_the_csv_kernel_name_picks_one_mode_of_the_walk(tmp_path):
+    lst = tmp_path / "l.sass"
+    lst.write_text(".text._ZN6kdagen12chunk_kernelINS_6ConfigELi2EEEvNS_9ChunkArgsE:\n"
+                   "        /*0000*/                   EXIT ;\n"
+                   ".text._ZN6kdagen12chunk_kernelINS_6ConfigELi0EEEvNS_9ChunkArgsE:\n"
+                   "        /*0000*/                   NOP ;\n")
+    pat = ncu_lines.mangled_pattern("chunk_kernel", "void kdagen::chunk_kernel<kdagen::Config, 0>(kdagen::ChunkArgs)")
+    assert ncu_lines.read_listing(lst, pat)[0][1] == "NOP"
+    import pytest
+
+    with pytest.raises(ValueError, match="several functions"):
+        ncu_lines.read_listing(lst, "chunk_kernel")
