@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# A/B of kdagen/resources.py constants in one GPU call: each variant is a copy of this
+# tree with its constants set, all built in parallel (own cache each), then timed one
+# after another by scripts/profile_breakdown.py (CUDA-graph replay and per-kernel device
+# times from the profiler).
+#
+#   bash scripts/ab_variants.sh "shapes gate chunk width" NAME:CONST=V[,CONST=V] ...
+#   e.g. bash scripts/ab_variants.sh "8x4096:32 lower_bound 16 128" \
+#          mma:CHUNK_WGMMA=False wgmma:CHUNK_WGMMA=True wg4:CHUNK_WGMMA=True,CHUNK_STAGES=4
+#
+# Prints one line per variant and shape; the constants must exist in resources.py.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/carried_wheels.sh
+export PYTHONUNBUFFERED=1
+read -r shapes gate chunk width <<< "$1"; shift
+root=/tmp/kdagen-ab
+rm -rf "$root"; mkdir -p "$root"
+for v in "$@"; do
+  name=${v%%:*}; sets=${v#*:}; d=$root/$name
+  mkdir -p "$d"; cp -r kdagen templates scripts "$d/"
+  for kv in ${sets//,/ }; do
+    k=${kv%%=*}; val=${kv#*=}
+    grep -q "^$k = " "$d/kdagen/resources.py" || { echo "no constant $k in resources.py"; exit 2; }
+    sed -i "s/^$k = .*/$k = $val/" "$d/kdagen/resources.py"
+  done
+  (cd "$d" && KDAGEN_CACHE_DIR="$d/cache" PYTHONPATH="$d:$PYTHONPATH" python3 -c "
+import kdagen
+kdagen.load(dict(target='sm_90', head_dim=128, chunk_size=$chunk, block_width=$width, gate='$gate'))
+" > "$d/build.log" 2>&1 || echo "build of $name failed: $(tail -n 3 "$d/build.log")") &
+done
+wait
+for v in "$@"; do
+  name=${v%%:*}; d=$root/$name
+  (cd "$d" && KDAGEN_CACHE_DIR="$d/cache" PYTHONPATH="$d:$PYTHONPATH" timeout 120 \
+    python3 scripts/profile_breakdown.py "$shapes" "$gate" "$chunk" "$width" 2>&1 \
+    | grep "^kda_" | sed "s/^/$name /; s/, at::native.*//")
+done
