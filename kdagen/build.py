@@ -117,14 +117,32 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+_DIGESTS: dict[tuple, str] = {}
+
+
+def sources_digest(spec: KernelSpec, templates: str) -> str:
+    """Digest of ``spec``'s rendered sources (`Rendered.digest`), rendered once per spec,
+    template set (``templates``: their digest) and value of kdagen's resource constants
+    (every load plans its build)."""
+    from . import resources
+
+    consts = tuple(sorted((k, v) for k, v in vars(resources).items()
+                          if k.isupper() and isinstance(v, (bool, int, float, str))))
+    key = (spec.uri, templates, consts)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = render(spec).digest()
+    return _DIGESTS[key]
+
+
 def plan(spec: KernelSpec, mode: Mode = "full") -> Entry:
     """Work out the entry of ``spec`` (finds compilers; builds nothing)."""
     dev = device_compiler(spec.target_info, allow_substitute=(mode == "objects"))
     tc = torch_toolchain(spec.target_info) if mode == "full" else None
+    templates = templates_digest()
     ident = {
         "spec": spec.canonical(),
-        "templates": templates_digest(),
-        "sources": render(spec).digest(),  # the Config follows resources.py constants too
+        "templates": templates,
+        "sources": sources_digest(spec, templates),  # the Config follows resources.py constants too
         "mode": mode,
         "device_compiler": [dev.path, dev.version, dev.arch, list(dev.flags)],
         "torch": None if tc is None else [tc.torch_version, tc.cxx, list(tc.defines), list(tc.libraries)],

@@ -312,6 +312,18 @@ def test_key_changes_with_templates(fake_cc, monkeypatch):
     assert changed.root.name.startswith(spec().name + "-") and changed.root != base.root
 
 
+def test_key_changes_with_a_resource_constant_that_changes_the_sources(fake_cc, monkeypatch):
+    from kdagen import resources
+
+    s = spec(target="sm_90")
+    base, default = plan(s, "objects"), resources.CHUNK_WGMMA
+    monkeypatch.setattr(resources, "CHUNK_WGMMA", not default)  # renders another Config
+    changed = plan(s, "objects")
+    assert changed.key != base.key
+    monkeypatch.setattr(resources, "CHUNK_WGMMA", default)
+    assert plan(s, "objects").key == base.key  # the memo of rendered digests does not go stale
+
+
 @pytest.mark.parametrize("field, value", [
     ("version", "fake-cc 2.0"), ("path", "/somewhere/else/hipcc"), ("arch", "gfx940"),
     ("flags", ("-DEXTRA=1",)),
