@@ -9,6 +9,7 @@
 //                            wave's threads, exchange operands through a wave scratchpad
 //   dynamic shared memory    one buffer per block, filled with NaN bytes before it starts
 //                            (a read of anything the block did not write shows up)
+//   wgmma                    products run at the wait that retires them (see WgOp)
 //   cp.async                 KDAGEN_EMULATE_LATE_COPIES=1 holds each copy back until the
 //                            latest wait_group that must have landed it (a miscounted
 //                            group then reads stale or NaN data)
@@ -111,6 +112,39 @@ inline float shfl_xor(float x, int o) {
   return r;
 }
 
+// Warpgroup products (wgmma): issued products wait in a per-thread queue until the wait
+// that retires their group, as on the hardware: their shared-memory operand is read then,
+// an accumulator read early sees the old value, and one written while its product is in
+// flight (or a product never waited for) stops the run.
+struct WgOp {
+  std::function<void()> run;
+  float* acc;
+  int n;
+  std::vector<float> before;
+  int group;
+};
+inline thread_local std::vector<WgOp> t_wg;
+inline thread_local int t_wg_committed = 0;
+inline void wg_issue(std::function<void()> run, float* acc, int n) {
+  t_wg.push_back({std::move(run), acc, n, std::vector<float>(acc, acc + n), t_wg_committed});
+}
+inline void wg_commit() { ++t_wg_committed; }
+inline void wg_wait(int newer) {  // retire all but the `newer` most recent committed groups
+  const int limit = t_wg_committed - newer;
+  size_t i = 0;
+  for (; i < t_wg.size() && t_wg[i].group < limit; ++i) {
+    WgOp& op = t_wg[i];
+    if (std::memcmp(op.acc, op.before.data(), op.n * sizeof(float)) != 0) {
+      std::fprintf(stderr, "kdagen emulate: a wgmma accumulator changed while its product was in flight\n");
+      std::abort();
+    }
+    op.run();
+    for (size_t j = i + 1; j < t_wg.size(); ++j)  // later products on the same accumulator
+      if (t_wg[j].acc == op.acc) t_wg[j].before.assign(op.acc, op.acc + op.n);
+  }
+  t_wg.erase(t_wg.begin(), t_wg.begin() + static_cast<long>(i));
+}
+
 // Run a grid: blocks in order, the threads of each block at once.
 inline void launch(dim3 grid, dim3 blk, size_t shmem, const std::function<void()>& body) {
   const int nt = static_cast<int>(blk.x * blk.y * blk.z);
@@ -138,6 +172,10 @@ inline void launch(dim3 grid, dim3 blk, size_t shmem, const std::function<void()
             threadIdx = dim3(static_cast<unsigned>(t), 0, 0);
             blockIdx = dim3(x, y, z);
             body();
+            if (!t_wg.empty()) {
+              std::fprintf(stderr, "kdagen emulate: a wgmma product was never waited for\n");
+              std::abort();
+            }
           });
         for (auto& t : threads) t.join();
       }

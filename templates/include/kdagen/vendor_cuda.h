@@ -316,24 +316,28 @@ struct Desc { const uint16_t* tile; int K, ks; };
 // The 16-column slice ks of a K-major tile with K columns.
 __device__ __forceinline__ Desc desc(const uint16_t* tile, int K, int ks) { return {tile, K, ks}; }
 __device__ __forceinline__ void fence() {}
-__device__ __forceinline__ void commit() {}
-template <int N> __device__ __forceinline__ void wait() {}
+__device__ __forceinline__ void commit() { kdagen_emu::wg_commit(); }
+template <int N> __device__ __forceinline__ void wait() { kdagen_emu::wg_wait(N); }
 __device__ __forceinline__ void fence_async_smem() {}
 template <int N> __device__ __forceinline__ void fence_operands(Acc (&)[N]) {}
 __device__ __forceinline__ void fence_operands(Frag&) {}
-// d (N / 16 tiles) += a * B: this warp's 16 rows as mma.sync products, B gathered from the
-// tile through the layout above (so a wrong tile layout or slice shows up here too).
+// d (N / 16 tiles) += a * B, run at the wait that retires it: this warp's 16 rows as
+// mma.sync products, B gathered from the tile through the layout above (so a wrong tile
+// layout, slice, or a tile overwritten before the wait shows up here too).
 template <int N, DType T, bool kNegA = false>
 __device__ __forceinline__ void mma(Acc (&d)[N / 16], const Frag& a, Desc b) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
   const Frag x = kNegA ? mma::neg(a) : a;  // the hardware's scale-a of -1
-  auto two = [&](int n, int k) {
-    const uint16_t* p = b.tile + tile_index(n, 16 * b.ks + k, b.K);
-    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 16);
-  };
-  for (int j = 0; j < N / 8; ++j)
-    kdagen_emu::mma16816(&d[j / 2].v[4 * (j % 2)], x.r, two(8 * j + g, 2 * t), two(8 * j + g, 2 * t + 8),
-                         T == DType::kBF16);
+  Acc* acc = d;
+  kdagen_emu::wg_issue([acc, x, b] {
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+    auto two = [&](int n, int k) {
+      const uint16_t* p = b.tile + tile_index(n, 16 * b.ks + k, b.K);
+      return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 16);
+    };
+    for (int j = 0; j < N / 8; ++j)
+      kdagen_emu::mma16816(&acc[j / 2].v[4 * (j % 2)], x.r, two(8 * j + g, 2 * t), two(8 * j + g, 2 * t + 8),
+                           T == DType::kBF16);
+  }, &d[0].v[0], 8 * (N / 16));
 }
 #else
 using Desc = uint64_t;
