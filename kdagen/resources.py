@@ -150,7 +150,8 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
                shared_mem: int, async_copy: bool, cu_shared_mem: int = 0,
                block_smem_reserve: int = 0, warpgroup_mma: bool = False) -> ChunkPlan:
     """The richest buffering that fits: up to ``CHUNK_STAGES`` stages (the most that fit,
-    at least 2) with u / o staged where the target has asynchronous copies, with
+    at least 2; at least 3 for the warpgroup walk, else it is dropped) with u / o staged
+    where the target has asynchronous copies, with
     ``chunk_min_blocks`` resident blocks where their share of the compute unit's LDS holds
     those stages (else 1), and warpgroup products where ``chunk_wgmma`` allows them;
     otherwise one stage, with u / o staged if they fit."""
@@ -161,9 +162,13 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
         share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
         fits = lambda st: footprint(st, True, wg) <= min(share, shared_mem)
-        if not fits(2):
+        least = 3 if wg else 2  # the warpgroup walk refills one stage later (its update runs on)
+        if not fits(least):
             blocks, share = 1, shared_mem
-        stages = max([st for st in range(2, max(2, CHUNK_STAGES) + 1) if fits(st)], default=2)
+        if wg and not fits(3):
+            wg, least = False, 2
+            fits = lambda st: footprint(st, True, False) <= min(share, shared_mem)
+        stages = max([st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st)], default=least)
         return ChunkPlan(stages, True, blocks, wg)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 

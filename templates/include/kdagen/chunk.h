@@ -222,10 +222,14 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   };
   // The first kStages - 1 chunks go in flight before the walk (a commit group per
   // chunk, empty past the end, so that every step waits on the same count).
-  constexpr int SG = Lay::kStages;
+  // With warpgroup products the state update of chunk c is still in flight at chunk c + 1's
+  // barrier (it is waited for after it): the refill then takes the stage of chunk c - 2,
+  // not c - 1, so AHEAD = kStages - 1 - LAG chunks load ahead.
+  constexpr int SG = Lay::kStages, LAG = kWg ? 1 : 0, AHEAD = SG - 1 - LAG;
+  static_assert(SG == 1 || AHEAD >= 1, "the warpgroup walk takes three stages or more");
   if constexpr (SG > 1) {
 #pragma unroll
-    for (int p = 0; p < SG - 1; ++p) {
+    for (int p = 0; p < AHEAD; ++p) {
       if (c0 + p < c1) load_next(stage_at(p));
       else async::commit();
     }
@@ -238,13 +242,13 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     uint16_t *const Ws = st.Ws, *const Qs = st.Qs, *const KGs = st.KGs, *const As = st.As, *const Us = st.Us;
     const float* Ds = st.Ds;
 
-    // ---- this chunk's operands in LDS (the next kStages - 1 chunks' copies in flight) -----
+    // ---- this chunk's operands in LDS (the next AHEAD chunks' copies in flight) -----------
     if constexpr (SG > 1) {
-      async::wait<SG - 2>();  // this thread's copies of chunk c have landed
+      async::wait<AHEAD - 1>();  // this thread's copies of chunk c have landed
       if constexpr (kWg) wg::fence_async_smem();  // ... visible to the tensor cores' reads
-      __syncthreads();        // everyone's have, and every reader of chunk c - 1 is done
-      // refill chunk c - 1's stage with chunk c + kStages - 1
-      if (c + SG - 1 < c1) load_next(stage_at((c + SG - 1 - c0) % SG));
+      __syncthreads();  // everyone's have, and every reader of chunk c - 1 - LAG is done
+      // refill chunk c - 1 - LAG's stage with chunk c + AHEAD
+      if (c + AHEAD < c1) load_next(stage_at((c + AHEAD - c0) % SG));
       else async::commit();
     } else {
       __syncthreads();  // every reader of the stage about to be refilled is done
@@ -293,6 +297,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
       // KT / 2 keeps the walk within 128 registers); then v_new^T times the aqk and
       // (negated by the instruction) kg tiles.
       constexpr int KH = KT / 2, NV = kOutputs ? 2 * C : C;
+      wg::wait<0>();  // the previous chunk's state update
+      wg::fence_operands(S);
       mma::Acc vo[NV / 16];  // v_new^T | o^T
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
@@ -336,15 +342,16 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
       wg::fence_operands(S);
       if constexpr (kOutputs) wg::fence_operands(o);
       wg::fence();
-#pragma unroll
-      for (int ct = 0; ct < CT; ++ct) {
-        if constexpr (kOutputs) wg::mma<C, Io>(o, va[ct], wg::desc(As, C, ct));
-        wg::mma<D, Io, true>(S, va[ct], wg::desc(KGs, C, ct));
-      }
-      wg::commit();
-      wg::wait<0>();
-      wg::fence_operands(S);
       if constexpr (kOutputs) {
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct) wg::mma<C, Io>(o, va[ct], wg::desc(As, C, ct));
+        wg::commit();
+      }
+#pragma unroll
+      for (int ct = 0; ct < CT; ++ct) wg::mma<D, Io, true>(S, va[ct], wg::desc(KGs, C, ct));
+      wg::commit();  // waited for at the next chunk (after its barrier), or below
+      if constexpr (kOutputs) {
+        wg::wait<1>();  // o's products (the state update may still run)
         wg::fence_operands(o);
 #pragma unroll
         for (int ci = 0; ci < CT; ++ci) stage_o(ci, o[ci]);
@@ -398,6 +405,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     }
     // ---- mid-prefill checkpoint: the state after the first ck_tokens tokens ----------------
     if (ck_tokens > 0 && (c + 1) * C == ck_tokens) {
+      if constexpr (kWg) {
+        wg::wait<0>();
+        wg::fence_operands(S);
+      }
       const int row = a.checkpoint_state_indices != nullptr ? a.checkpoint_state_indices[n] : n;
       if (row >= 0 && row < a.num_checkpoint_rows) {
         float* dst = a.checkpoint_state + (static_cast<int64_t>(row) * H + h) * D * D;
@@ -409,6 +420,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   }
 
   // ---- where the walk's end state goes ---------------------------------------------------
+  if constexpr (kWg) {
+    wg::wait<0>();  // the last chunk's state update
+    wg::fence_operands(S);
+  }
   float* dst = nullptr;
   int drow = row0;
   if constexpr (kMode == kWalkPassOne) {
