@@ -86,6 +86,14 @@ __device__ __forceinline__ void copy_tile(uint16_t* dst, const uint16_t* src, in
   }
 }
 
+// An operand of the products: a K-major tile for the warpgroup products (kTile), else
+// rows padded to LD for ldmatrix.
+template <bool kTile, int ROWS, int WIDTH, int LD, int NT>
+__device__ __forceinline__ void copy_operand(uint16_t* dst, const uint16_t* src, int row_stride, int valid) {
+  if constexpr (kTile) copy_tile<ROWS, WIDTH, NT>(dst, src, row_stride, valid);
+  else copy_rows<ROWS, WIDTH, LD, NT>(dst, src, row_stride, valid);
+}
+
 template <class Cfg>
 __device__ __forceinline__ float* group_plane(const ChunkArgs& a, int which, int g, int nh) {
   constexpr int64_t P = static_cast<int64_t>(Cfg::kHeadDim) * Cfg::kHeadDim;
@@ -193,21 +201,12 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   auto load_next = [&](const Stage& st) {
     const int valid = min(C, next_rows);
     const uint16_t* kg_src = static_cast<const uint16_t*>(a.kg_t) + next_ch * C;  // kg_t [chunk][H][D][C]
-    if constexpr (kWg) {
-      copy_tile<C, D, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
-      if constexpr (kMode != kWalkPassOne) {
-        copy_tile<C, D, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
-        copy_tile<C, C, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
-      }
-      copy_tile<D, C, NT>(st.KGs, kg_src, C, D);
-    } else {
-      copy_rows<C, D, LDW, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
-      if constexpr (kMode != kWalkPassOne) {
-        copy_rows<C, D, LDW, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
-        copy_rows<C, C, LDC, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
-      }
-      copy_rows<D, C, LDC, NT>(st.KGs, kg_src, C, D);
+    copy_operand<kWg, C, D, LDW, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
+    if constexpr (kMode != kWalkPassOne) {
+      copy_operand<kWg, C, D, LDW, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
+      copy_operand<kWg, C, C, LDC, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
     }
+    copy_operand<kWg, D, C, LDC, NT>(st.KGs, kg_src, C, D);
     if constexpr (Cfg::kStageUO) {
       if (!transfer)
         copy_rows<C, BV, Lay::LDU, NT>(st.Us, static_cast<const uint16_t*>(a.u) + next_hd + col0, ld_hd, valid);
