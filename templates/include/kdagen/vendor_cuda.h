@@ -366,137 +366,91 @@ __device__ __forceinline__ void fence_operands(Frag& a) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a.r[i])::"memory");
 }
-template <int N, DType T> struct Mma;  // run<kNegA>: d += (kNegA ? -a : a) * B
-// d (N / 16 tiles) += a * B, N = 16, 32, 64, 128 (the chunk and the head dimension).
-template <> struct Mma<16, DType::kBF16> {
-  template <bool kNegA>
+// Mma<N>::run<T, kNegA>: d (N / 16 tiles) += (kNegA ? -a : a) * B, N = 16, 32, 64, 128
+// (the chunk and the head dimension); T picks the bf16 or f16 form of one instruction.
+template <int N> struct Mma;
+template <> struct Mma<16> {
+  template <DType T, bool kNegA>
   static __device__ __forceinline__ void run(Acc (&d)[1], const Frag& a, uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7}, "
-        "{%8,%9,%10,%11}, %12, 1, %13, 1, 0;\n"
-        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7])
-        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
-        : "memory");
+#define KDAGEN_WGMMA(TY) \
+  asm volatile( \
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY " " \
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, " \
+      "{%8,%9,%10,%11}, %12, 1, %13, 1, 0;\n" \
+      : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]) \
+      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1) \
+      : "memory")
+    if constexpr (T == DType::kBF16) KDAGEN_WGMMA("bf16");
+    else KDAGEN_WGMMA("f16");
+#undef KDAGEN_WGMMA
   }
 };
-template <> struct Mma<16, DType::kFP16> {
-  template <bool kNegA>
-  static __device__ __forceinline__ void run(Acc (&d)[1], const Frag& a, uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7}, "
-        "{%8,%9,%10,%11}, %12, 1, %13, 1, 0;\n"
-        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7])
-        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
-        : "memory");
-  }
-};
-template <> struct Mma<32, DType::kBF16> {
-  template <bool kNegA>
+template <> struct Mma<32> {
+  template <DType T, bool kNegA>
   static __device__ __forceinline__ void run(Acc (&d)[2], const Frag& a, uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
-        "{%16,%17,%18,%19}, %20, 1, %21, 1, 0;\n"
-        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
-          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7])
-        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
-        : "memory");
+#define KDAGEN_WGMMA(TY) \
+  asm volatile( \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " \
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, " \
+      "{%16,%17,%18,%19}, %20, 1, %21, 1, 0;\n" \
+      : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]), \
+        "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]) \
+      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1) \
+      : "memory")
+    if constexpr (T == DType::kBF16) KDAGEN_WGMMA("bf16");
+    else KDAGEN_WGMMA("f16");
+#undef KDAGEN_WGMMA
   }
 };
-template <> struct Mma<32, DType::kFP16> {
-  template <bool kNegA>
-  static __device__ __forceinline__ void run(Acc (&d)[2], const Frag& a, uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
-        "{%16,%17,%18,%19}, %20, 1, %21, 1, 0;\n"
-        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
-          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7])
-        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
-        : "memory");
-  }
-};
-template <> struct Mma<64, DType::kBF16> {
-  template <bool kNegA>
+template <> struct Mma<64> {
+  template <DType T, bool kNegA>
   static __device__ __forceinline__ void run(Acc (&d)[4], const Frag& a, uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%32,%33,%34,%35}, %36, 1, %37, 1, 0;\n"
-        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
-          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]),
-          "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]),
-          "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7])
-        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
-        : "memory");
+#define KDAGEN_WGMMA(TY) \
+  asm volatile( \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " \
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+      "{%32,%33,%34,%35}, %36, 1, %37, 1, 0;\n" \
+      : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]), \
+        "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]), \
+        "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]), \
+        "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7]) \
+      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1) \
+      : "memory")
+    if constexpr (T == DType::kBF16) KDAGEN_WGMMA("bf16");
+    else KDAGEN_WGMMA("f16");
+#undef KDAGEN_WGMMA
   }
 };
-template <> struct Mma<64, DType::kFP16> {
-  template <bool kNegA>
-  static __device__ __forceinline__ void run(Acc (&d)[4], const Frag& a, uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%32,%33,%34,%35}, %36, 1, %37, 1, 0;\n"
-        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
-          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]),
-          "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]),
-          "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7])
-        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
-        : "memory");
-  }
-};
-template <> struct Mma<128, DType::kBF16> {
-  template <bool kNegA>
+template <> struct Mma<128> {
+  template <DType T, bool kNegA>
   static __device__ __forceinline__ void run(Acc (&d)[8], const Frag& a, uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-        "{%64,%65,%66,%67}, %68, 1, %69, 1, 0;\n"
-        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
-          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]),
-          "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]),
-          "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7]),
-          "+f"(d[4].v[0]), "+f"(d[4].v[1]), "+f"(d[4].v[2]), "+f"(d[4].v[3]), "+f"(d[4].v[4]), "+f"(d[4].v[5]), "+f"(d[4].v[6]), "+f"(d[4].v[7]),
-          "+f"(d[5].v[0]), "+f"(d[5].v[1]), "+f"(d[5].v[2]), "+f"(d[5].v[3]), "+f"(d[5].v[4]), "+f"(d[5].v[5]), "+f"(d[5].v[6]), "+f"(d[5].v[7]),
-          "+f"(d[6].v[0]), "+f"(d[6].v[1]), "+f"(d[6].v[2]), "+f"(d[6].v[3]), "+f"(d[6].v[4]), "+f"(d[6].v[5]), "+f"(d[6].v[6]), "+f"(d[6].v[7]),
-          "+f"(d[7].v[0]), "+f"(d[7].v[1]), "+f"(d[7].v[2]), "+f"(d[7].v[3]), "+f"(d[7].v[4]), "+f"(d[7].v[5]), "+f"(d[7].v[6]), "+f"(d[7].v[7])
-        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
-        : "memory");
-  }
-};
-template <> struct Mma<128, DType::kFP16> {
-  template <bool kNegA>
-  static __device__ __forceinline__ void run(Acc (&d)[8], const Frag& a, uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-        "{%64,%65,%66,%67}, %68, 1, %69, 1, 0;\n"
-        : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]),
-          "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]),
-          "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]),
-          "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7]),
-          "+f"(d[4].v[0]), "+f"(d[4].v[1]), "+f"(d[4].v[2]), "+f"(d[4].v[3]), "+f"(d[4].v[4]), "+f"(d[4].v[5]), "+f"(d[4].v[6]), "+f"(d[4].v[7]),
-          "+f"(d[5].v[0]), "+f"(d[5].v[1]), "+f"(d[5].v[2]), "+f"(d[5].v[3]), "+f"(d[5].v[4]), "+f"(d[5].v[5]), "+f"(d[5].v[6]), "+f"(d[5].v[7]),
-          "+f"(d[6].v[0]), "+f"(d[6].v[1]), "+f"(d[6].v[2]), "+f"(d[6].v[3]), "+f"(d[6].v[4]), "+f"(d[6].v[5]), "+f"(d[6].v[6]), "+f"(d[6].v[7]),
-          "+f"(d[7].v[0]), "+f"(d[7].v[1]), "+f"(d[7].v[2]), "+f"(d[7].v[3]), "+f"(d[7].v[4]), "+f"(d[7].v[5]), "+f"(d[7].v[6]), "+f"(d[7].v[7])
-        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1)
-        : "memory");
+#define KDAGEN_WGMMA(TY) \
+  asm volatile( \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " \
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, " \
+      "{%64,%65,%66,%67}, %68, 1, %69, 1, 0;\n" \
+      : "+f"(d[0].v[0]), "+f"(d[0].v[1]), "+f"(d[0].v[2]), "+f"(d[0].v[3]), "+f"(d[0].v[4]), "+f"(d[0].v[5]), "+f"(d[0].v[6]), "+f"(d[0].v[7]), \
+        "+f"(d[1].v[0]), "+f"(d[1].v[1]), "+f"(d[1].v[2]), "+f"(d[1].v[3]), "+f"(d[1].v[4]), "+f"(d[1].v[5]), "+f"(d[1].v[6]), "+f"(d[1].v[7]), \
+        "+f"(d[2].v[0]), "+f"(d[2].v[1]), "+f"(d[2].v[2]), "+f"(d[2].v[3]), "+f"(d[2].v[4]), "+f"(d[2].v[5]), "+f"(d[2].v[6]), "+f"(d[2].v[7]), \
+        "+f"(d[3].v[0]), "+f"(d[3].v[1]), "+f"(d[3].v[2]), "+f"(d[3].v[3]), "+f"(d[3].v[4]), "+f"(d[3].v[5]), "+f"(d[3].v[6]), "+f"(d[3].v[7]), \
+        "+f"(d[4].v[0]), "+f"(d[4].v[1]), "+f"(d[4].v[2]), "+f"(d[4].v[3]), "+f"(d[4].v[4]), "+f"(d[4].v[5]), "+f"(d[4].v[6]), "+f"(d[4].v[7]), \
+        "+f"(d[5].v[0]), "+f"(d[5].v[1]), "+f"(d[5].v[2]), "+f"(d[5].v[3]), "+f"(d[5].v[4]), "+f"(d[5].v[5]), "+f"(d[5].v[6]), "+f"(d[5].v[7]), \
+        "+f"(d[6].v[0]), "+f"(d[6].v[1]), "+f"(d[6].v[2]), "+f"(d[6].v[3]), "+f"(d[6].v[4]), "+f"(d[6].v[5]), "+f"(d[6].v[6]), "+f"(d[6].v[7]), \
+        "+f"(d[7].v[0]), "+f"(d[7].v[1]), "+f"(d[7].v[2]), "+f"(d[7].v[3]), "+f"(d[7].v[4]), "+f"(d[7].v[5]), "+f"(d[7].v[6]), "+f"(d[7].v[7]) \
+      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc), "n"(kNegA ? -1 : 1) \
+      : "memory")
+    if constexpr (T == DType::kBF16) KDAGEN_WGMMA("bf16");
+    else KDAGEN_WGMMA("f16");
+#undef KDAGEN_WGMMA
   }
 };
 template <int N, DType T, bool kNegA = false>
 __device__ __forceinline__ void mma(Acc (&d)[N / 16], const Frag& a, Desc b) {
-  Mma<N, T>::template run<kNegA>(d, a, b);
+  Mma<N>::template run<T, kNegA>(d, a, b);
 }
 #endif
 }  // namespace wg
