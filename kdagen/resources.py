@@ -155,20 +155,19 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     ``chunk_min_blocks`` resident blocks where their share of the compute unit's LDS holds
     those stages (else 1), and warpgroup products where ``chunk_wgmma`` allows them;
     otherwise one stage, with u / o staged if they fit."""
-    wg = chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
     footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
                                                         wave_size, st, uo, w).shared_mem
-    if async_copy and footprint(2, True, wg) <= shared_mem:
+    # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
+    wg = (chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
+          and footprint(3, True, True) <= shared_mem)
+    least = 3 if wg else 2
+    if async_copy and footprint(least, True, wg) <= shared_mem:
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
         share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
-        fits = lambda st: footprint(st, True, wg) <= min(share, shared_mem)
-        least = 3 if wg else 2  # the warpgroup walk refills one stage later (its update runs on)
-        if not fits(least):
+        if footprint(least, True, wg) > share:
             blocks, share = 1, shared_mem
-        if wg and not fits(3):
-            wg, least = False, 2
-            fits = lambda st: footprint(st, True, False) <= min(share, shared_mem)
-        stages = max([st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st)], default=least)
+        fits = lambda st: footprint(st, True, wg) <= min(share, shared_mem)
+        stages = max(st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st))
         return ChunkPlan(stages, True, blocks, wg)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 
