@@ -8,6 +8,9 @@
 #   e.g. bash scripts/ab_variants.sh "8x4096:32 lower_bound 16 128" \
 #          mma:CHUNK_WGMMA=False wgmma:CHUNK_WGMMA=True wg4:CHUNK_WGMMA=True,CHUNK_STAGES=4
 #
+# NAME@TREE:... takes kdagen/, templates/ and scripts/ from TREE instead of this checkout
+# (an older commit: `git worktree add` or `git archive` it under build/ and carry it), so
+# a code change can be timed against its parent in the same call; ':' alone sets nothing.
 # Prints one line per variant and shape; the constants must exist in resources.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +20,10 @@ read -r shapes gate chunk width <<< "$1"; shift
 root=/tmp/kdagen-ab
 rm -rf "$root"; mkdir -p "$root"
 for v in "$@"; do
-  name=${v%%:*}; sets=${v#*:}; d=$root/$name
-  mkdir -p "$d"; cp -r kdagen templates scripts "$d/"
+  name=${v%%:*}; sets=${v#*:}; tree=.
+  if [[ $name == *@* ]]; then tree=${name#*@}; name=${name%%@*}; fi
+  d=$root/$name
+  mkdir -p "$d"; cp -r "$tree/kdagen" "$tree/templates" "$tree/scripts" "$d/" || exit 2
   for kv in ${sets//,/ }; do
     k=${kv%%=*}; val=${kv#*=}
     grep -q "^$k = " "$d/kdagen/resources.py" || { echo "no constant $k in resources.py"; exit 2; }
@@ -31,7 +36,7 @@ kdagen.load(dict(target='sm_90', head_dim=128, chunk_size=$chunk, block_width=$w
 done
 wait
 for v in "$@"; do
-  name=${v%%:*}; d=$root/$name
+  name=${v%%:*}; name=${name%%@*}; d=$root/$name
   (cd "$d" && KDAGEN_CACHE_DIR="$d/cache" PYTHONPATH="$d:$PYTHONPATH" timeout 120 \
     python3 scripts/profile_breakdown.py "$shapes" "$gate" "$chunk" "$width" 2>&1 \
     | grep "^kda_" | sed "s/^/$name /; s/, at::native.*//")

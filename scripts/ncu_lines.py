@@ -5,7 +5,7 @@
 
 `sass.csv` is `ncu -i rep --page source --csv --print-source sass` (one row per SASS
 instruction: address, text, instructions executed, stall samples by reason); it carries
-no source lines. `listing.sass` is `nvdisasm -g` of a cubin compiled from the same source
+no source lines. `listing.sass` is `nvdisasm -gi` of a cubin compiled from the same source
 with the same nvcc and flags plus -lineinfo (which leaves the code as it is): its
 `//## File ..., line N` markers name the template line of every instruction offset (the
 csv's kernel name picks the instance: the chunk scan's three modes). The
@@ -49,9 +49,26 @@ def read_ncu_sass(path: str | Path) -> tuple[str, list[dict[str, str]]]:
 
 def mangled_pattern(kernel: str, demangled: str) -> str:
     """What names ``kernel``'s instance in the listing: ``chunk_kernel<kdagen::Config, 2>``
+    (ncu writes ``(int)2``)
     (one of the walk's three modes) is ``chunk_kernelINS_6ConfigELi2E``."""
-    m = re.search(rf"{re.escape(kernel)}<kdagen::Config, (\d+)>", demangled)
+    m = re.search(rf"{re.escape(kernel)}<kdagen::Config, (?:\(int\))?(\d+)>", demangled)
     return f"{kernel}INS_6ConfigELi{m.group(1)}E" if m else kernel
+
+
+# Helpers inlined into the kernels: an instruction of theirs counts for the kernel line
+# that (through any chain of inlined calls) reached them.
+HELPER_FILES = ("numeric.h", "vendor_cuda.h", "vendor_cdna.h", "platform.h", "hip_on_cuda.h", "emulate.h")
+
+
+def _kernel_line(marker: str) -> Line:
+    """The innermost location of an `nvdisasm -gi` marker (`//## File "a", line 3 inlined
+    at "b", line 7 ...`) that lies in a kernel header (not a helper nor a CUDA header);
+    the innermost location where there is none."""
+    chain = [(f.rsplit("/", 1)[-1], int(n), f) for f, n in re.findall(r'"([^"]+)", line (\d+)', marker)]
+    for name, line, full in chain:
+        if "/kdagen/" in full and name not in HELPER_FILES:
+            return name, line
+    return (chain[0][0], chain[0][1]) if chain else ("?", 0)
 
 
 def read_listing(path: str | Path, kernel: str) -> dict[int, tuple[Line, str]]:
@@ -70,9 +87,8 @@ def read_listing(path: str | Path, kernel: str) -> dict[int, tuple[Line, str]]:
                 continue
             if not inside:
                 continue
-            m = re.search(r'//## File "([^"]+)", line (\d+)', ln)
-            if m:
-                cur = (m.group(1).rsplit("/", 1)[-1], int(m.group(2)))
+            if "//## File" in ln:
+                cur = _kernel_line(ln)
                 continue
             m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", ln)
             if m:
@@ -128,7 +144,7 @@ def report(agg: dict[Line, collections.Counter], top: int = 40) -> str:
 
 
 def compile_listing(spec, out: Path) -> Path:
-    """`nvdisasm -g` of ``spec``'s kernels compiled as the build compiles them (kdagen's
+    """`nvdisasm -gi` of ``spec``'s kernels compiled as the build compiles them (kdagen's
     nvcc command, -lineinfo added, a cubin instead of an object) into ``out``."""
     from kdagen.render import render
     from kdagen.toolchain import device_compiler
@@ -145,7 +161,7 @@ def compile_listing(spec, out: Path) -> Path:
                                                                                    "-o", str(src / "k.cubin")]
         subprocess.run(cmd, check=True, capture_output=True)
         nvdisasm = shutil.which("nvdisasm") or str(Path(dev.path).resolve().parent / "nvdisasm")
-        out.write_text(subprocess.run([nvdisasm, "-g", str(src / "k.cubin")], check=True,
+        out.write_text(subprocess.run([nvdisasm, "-gi", str(src / "k.cubin")], check=True,
                                       capture_output=True, text=True).stdout)
     return out
 

@@ -74,6 +74,9 @@ def test_the_csv_kernel_name_picks_one_mode_of_the_walk(tmp_path):
                    "        /*0000*/                   NOP ;\n")
     pat = ncu_lines.mangled_pattern("chunk_kernel", "void kdagen::chunk_kernel<kdagen::Config, 0>(kdagen::ChunkArgs)")
     assert ncu_lines.read_listing(lst, pat)[0][1] == "NOP"
+    # ncu's csv spells the template argument with its type
+    pat = ncu_lines.mangled_pattern("chunk_kernel", "void kdagen::chunk_kernel<kdagen::Config, (int)2>(kdagen::ChunkArgs)")
+    assert ncu_lines.read_listing(lst, pat)[0][1] == "EXIT"
     import pytest
 
     with pytest.raises(ValueError, match="several functions"):

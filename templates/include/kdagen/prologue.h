@@ -133,13 +133,23 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   float* Lv = Sv + Lay::kScales * D;            // 2^(G_last - G_l(b)) of each block [NB][D]
   int* dmma = reinterpret_cast<int*>(Lv + NB * D);  // diagonal block b on the matrix units
 
-  const int H = a.num_heads, chunk = static_cast<int>(blockIdx.x) / H, h = static_cast<int>(blockIdx.x) % H;
+  // grid (H, chunks in rows of at most 65535, rows): heads fastest, no division
+  const int H = a.num_heads, h = blockIdx.x;
+  const int chunk = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
+  if (chunk >= a.num_chunks) return;
   const int tid = threadIdx.x, lane = lane_id(), wave = wave_id();
   const int n = a.chunk_indices[2 * chunk], lc = a.chunk_indices[2 * chunk + 1];
   const int bos = a.cu_seqlens[n], eos = a.cu_seqlens[n + 1];
   const int t0 = bos + lc * C;
   const int valid = min(C, eos - t0);
   const int last = valid - 1;
+  // A thread's 16-byte pieces of a [C][D] plane of 16-bit values: columns c8 .. c8 + 7 of
+  // rows r8 + m RSTEP8, m < ITERS8 (whole rows per pass); block8(m) is that row's 16-row block.
+  constexpr int PIECES8 = D / 8, RSTEP8 = NT / PIECES8, ITERS8 = C / RSTEP8;
+  static_assert(NT % PIECES8 == 0 && C % RSTEP8 == 0, "whole rows per pass");
+  const int r8 = static_cast<int>(static_cast<unsigned>(tid) / PIECES8);
+  const int c8 = static_cast<int>(static_cast<unsigned>(tid) % PIECES8) * 8;
+  auto block8 = [&](int m) { return (m * RSTEP8) / 16 + (RSTEP8 > 16 ? r8 / 16 : 0); };
 
   // ---- inputs: raw rows, or the causal depthwise conv + SiLU of them ------------------
   auto raw = [&](const Strided& s, int t, int d) -> float {
@@ -190,30 +200,29 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   auto stage = [&](T* dst, int band, auto async_tag) {
     constexpr bool kAsync = decltype(async_tag)::value && async::kHardware;
     const Strided& s = band == 0 ? a.q : (band == 1 ? a.k : a.v);
-    constexpr int VEC = 16 / static_cast<int>(sizeof(T));
-    constexpr int PER_ROW = D / VEC, ITERS = (C * PER_ROW + NT - 1) / NT;
     const T* base = chunk_rows(s);
     const bool plain = plain_band(s, base);
-    if (plain && kAsync) {
+    if (plain) {
+      // this thread's pieces (r8 + m RSTEP8, c8): one 64-bit row pointer, stepped
+      static_assert(sizeof(T) == 2, "16-bit planes");
+      const T* src = base + r8 * s.token + c8;
+      const int64_t step = RSTEP8 * s.token;
+      T* d0 = dst + r8 * LDK + c8;
+      if constexpr (kAsync) {
 #pragma unroll
-      for (int m = 0; m < ITERS; ++m) {
-        const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
-        if (e < C * PER_ROW)
-          async::copy16(dst + i * LDK + c, base + static_cast<int64_t>(min(i, last)) * s.token + c, i < valid);
-      }
-    } else if (plain) {
-      uint4 buf[ITERS];
+        for (int m = 0; m < ITERS8; ++m) {
+          const bool in = r8 + m * RSTEP8 < valid;  // zero-filled past the end, from a valid address
+          async::copy16(d0 + m * RSTEP8 * LDK, in ? src + m * step : base, in);
+        }
+      } else {
+        uint4 buf[ITERS8];
 #pragma unroll
-      for (int m = 0; m < ITERS; ++m) {
-        const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
-        buf[m] = make_uint4(0, 0, 0, 0);
-        if (e < C * PER_ROW && i < valid)
-          buf[m] = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(i) * s.token + c);
-      }
+        for (int m = 0; m < ITERS8; ++m) {
+          buf[m] = make_uint4(0, 0, 0, 0);
+          if (r8 + m * RSTEP8 < valid) buf[m] = *reinterpret_cast<const uint4*>(src + m * step);
+        }
 #pragma unroll
-      for (int m = 0; m < ITERS; ++m) {
-        const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
-        if (e < C * PER_ROW) *reinterpret_cast<uint4*>(dst + i * LDK + c) = buf[m];
+        for (int m = 0; m < ITERS8; ++m) *reinterpret_cast<uint4*>(d0 + m * RSTEP8 * LDK) = buf[m];
       }
     } else {
       for (int e = tid; e < C * D; e += NT) {
@@ -261,20 +270,23 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
                       : 0.0f;
   {
     // The per-step gate (log2 units) into the G plane, zero past the end, from 16-byte
-    // loads of the raw gate where its rows are aligned.
-    constexpr int VEC = 8, PER_ROW = D / VEC, ITERS = (C * PER_ROW + NT - 1) / NT;
+    // loads of the raw gate where its rows are aligned. A thread keeps its pieces' column
+    // (its dt_bias and gate constants) for all of its rows.
+    constexpr int VEC = 8, RSTEP = RSTEP8, ITERS = ITERS8;
+    const int r0 = r8, c = c8;
     const float a_exp = __expf(a.a_log[h]);
-    const float* bias = a.dt_bias + h * D;
     const T* base = chunk_rows(a.g);
     const bool plain = aligned_rows(a.g, base);
+    const T* src = base + r0 * a.g.token + c;
+    const int64_t step = RSTEP * a.g.token;
     uint4 buf[ITERS];
 #pragma unroll
     for (int m = 0; m < ITERS; ++m) {
-      const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
+      const int i = r0 + m * RSTEP;
       buf[m] = make_uint4(0, 0, 0, 0);
-      if (e < C * PER_ROW && i < valid) {
+      if (i < valid) {
         if (plain) {
-          buf[m] = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(i) * a.g.token + c);
+          buf[m] = *reinterpret_cast<const uint4*>(src + m * step);
         } else {  // an unaligned view: element by element into the same word
           uint32_t w[4];
 #pragma unroll
@@ -285,21 +297,33 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         }
       }
     }
+    // lower bound: lb log2(e) sigmoid(a_exp (x + bias)) = lb2 / (1 + 2^(x na + bias na)),
+    // na = -a_exp log2(e); softplus: gate_log2 of x + bias
+    const float* bias = a.dt_bias + h * D + c;
+    const float4 b0 = *reinterpret_cast<const float4*>(bias);
+    const float4 b1 = *reinterpret_cast<const float4*>(bias + 4);
+    const float na = -a_exp * kLog2e, lb2 = a.lower_bound * kLog2e;
+    float bs[VEC] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+    if constexpr (Cfg::kLowerBound) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) bs[j] *= na;
+    }
 #pragma unroll
     for (int m = 0; m < ITERS; ++m) {
-      const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
-      if (e >= C * PER_ROW) continue;
+      const int i = r0 + m * RSTEP;
       float raw8[VEC];
       unpack8<Io>(buf[m], raw8);
-      const float4 b0 = *reinterpret_cast<const float4*>(bias + c);
-      const float4 b1 = *reinterpret_cast<const float4*>(bias + c + 4);
-      const float bs[VEC] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
       const bool in = i < valid;
+      const float lbi = in ? lb2 : 0.0f;
       float gv[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float x = gate_log2<Cfg::kLowerBound>(raw8[j] + bs[j], a_exp, a.lower_bound);
-        gv[j] = in ? x : 0.0f;
+        if constexpr (Cfg::kLowerBound) {
+          gv[j] = __fdividef(lbi, 1.0f + exp2_fast(fmaf(raw8[j], na, bs[j])));
+        } else {
+          const float x = gate_log2<false>(raw8[j] + bs[j], a_exp, a.lower_bound);
+          gv[j] = in ? x : 0.0f;
+        }
       }
       float* row = Gs + i * LDG;
       *reinterpret_cast<float4*>(row + gcol(c)) = make_float4(gv[0], gv[1], gv[2], gv[3]);
@@ -393,11 +417,20 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   }
   __syncthreads();
 
-  const int64_t row_hd = static_cast<int64_t>(H) * D;
-  T* aqk = static_cast<T*>(a.aqk);
-  const int64_t row_hc = static_cast<int64_t>(H) * C;
-  T* wout = static_cast<T*>(a.w);
-  T* uout = static_cast<T*>(a.u);
+  // The outputs from this chunk's first row of head h; rows i apart are i * ld_hd (or
+  // ld_hc) elements apart, 32-bit offsets inside a chunk.
+  const int ld_hd = H * D, ld_hc = H * C;
+  const int64_t row_hd = static_cast<int64_t>(H) * D, row_hc = static_cast<int64_t>(H) * C;
+  T* const aqk = static_cast<T*>(a.aqk) + t0 * row_hc + h * C;  // [T][H][C]
+  T* const wout = static_cast<T*>(a.w) + t0 * row_hd + h * D;   // [T][H][D]
+  T* const uout = static_cast<T*>(a.u) + t0 * row_hd + h * D;
+  T* const qg = static_cast<T*>(a.qg) + t0 * row_hd + h * D;
+  T* const kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;  // [chunks][H][D][C]
+  // decay = 2^G_last in fp32 (exp2f: the fp32 output keeps its subnormals)
+  auto store_decay = [&]() {
+    float* const decay = a.decay + (static_cast<int64_t>(chunk) * H + h) * D;  // [chunks][H][D]
+    for (int d = tid; d < D; d += NT) decay[d] = exp2f(Gs[last * LDG + gcol(d)]);
+  };
 
   // Diagonal-block rows by exact exponent differences, for the rows use_simt(i) picks: a
   // wave per row, lanes over D. diagL[m] keeps lane j's L entry of row wave + m NW; the
@@ -438,7 +471,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         myQ = sq;
       }
     }
-    T* arow = aqk + (t0 + i) * row_hc + h * C;
+    T* arow = aqk + i * ld_hc;
     if (lane < 16) {
       const int j = b0 + lane;
       arow[j] = from_float<Io>(j <= i ? a.scale * rq[i] * rk[j] * myQ : 0.0f);
@@ -547,7 +580,6 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   // and decay, from the raw k plane and G.
   auto store_kg_t_and_decay = [&]() {
     constexpr int VEC = 8, PIECES = D * (C / VEC), ITERS = (PIECES + NT - 1) / NT;
-    T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
 #pragma unroll
     for (int m = 0; m < ITERS; ++m) {
       const int e = tid + m * NT, d = e % D, i0 = (e / D) * VEC;
@@ -561,8 +593,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       }
       store16(kg_t + d * C + i0, pack8<Io>(out8));
     }
-    for (int d = tid; d < D; d += NT)
-      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + gcol(d)]);
+    store_decay();
   };
 
   if constexpr (Lay::kPlanar) {
@@ -598,8 +629,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       span = wave_max(span);
       if (lane == 0) dmma[wave] = span <= kDiagSpan<Mx> ? 1 : 0;
     }
-    for (int d = tid; d < D; d += NT)
-      a.decay[(static_cast<int64_t>(chunk) * H + h) * D + d] = exp2f(Gs[last * LDG + gcol(d)]);
+    store_decay();
     __syncthreads();
 
     // ---- P3: diagonal blocks whose span is too wide: exact per pair ---------------------
@@ -613,14 +643,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
 
     // ---- P4: the operand planes, and qg; k plane <- b k^ 2^G (bf16), q plane <- Qa ------
     {
-      T* qg = static_cast<T*>(a.qg) + static_cast<int64_t>(t0) * row_hd + h * D;
       uint16_t* Km = reinterpret_cast<uint16_t*>(Ks);
       uint16_t* Qm = reinterpret_cast<uint16_t*>(Qs);
-      constexpr int PIECES = C * (D / 8), ITERS = PIECES / NT;
-      static_assert(PIECES % NT == 0, "the chunk's 16-byte pieces spread evenly");
 #pragma unroll 2
-      for (int m = 0; m < ITERS; ++m) {
-        const int e = tid + m * NT, i = e / (D / 8), c = (e % (D / 8)) * 8, b = i / 16;
+      for (int m = 0; m < ITERS8; ++m) {
+        const int i = r8 + m * RSTEP8, c = c8, b = block8(m);
         float k8[8], q8[8], g[8], gf[8], gl[8], pf[8];
         unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + c), k8);
         unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + i * LDK + c), q8);
@@ -644,7 +671,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         *reinterpret_cast<uint4*>(KB + i * LDK + c) = pack8<Mx>(kb);
         *reinterpret_cast<uint4*>(Qm + i * LDK + c) = pack8<Mx>(qa);
         *reinterpret_cast<uint4*>(Km + i * LDK + c) = pack8<DType::kBF16>(w8);
-        if (i < valid) store16(qg + i * row_hd + c, pack8<Io>(qo));
+        if (i < valid) store16(qg + i * ld_hd + c, pack8<Io>(qo));
       }
     }
     __syncthreads();
@@ -655,7 +682,6 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     {
       constexpr int VEC = 8, PIECES = D * (C / VEC), ITERS = PIECES / NT;
       static_assert(PIECES % NT == 0, "the kg_t pieces spread evenly");
-      T* kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;
 #pragma unroll
       for (int m = 0; m < ITERS; ++m) {
         const int e = tid + m * NT, d = e % D, i0 = (e / D) * VEC;
@@ -736,7 +762,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
           const int i = e / (C / AV), j = (e % (C / AV)) * AV, ib = i / 16, jb = j / 16;
           if (jb == ib && dmma[ib] == 0) continue;  // stored by the exact path
           const uint4 x = jb > ib ? make_uint4(0, 0, 0, 0) : *reinterpret_cast<const uint4*>(Ab + i * LDA + j);
-          store16(aqk + (t0 + i) * row_hc + h * C + j, x);
+          store16(aqk + i * ld_hc + j, x);
         }
       }
 #pragma unroll
@@ -793,27 +819,24 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       }
     }
     __syncthreads();
-    {
-      constexpr int VEC = 8, PER_ROW = D / VEC;
-      const int n_out = valid * PER_ROW;
-      for (int e = tid; e < 2 * n_out; e += NT) {
-        const bool is_u = e >= n_out;
-        const int r = is_u ? e - n_out : e, i = r / PER_ROW, c = (r % PER_ROW) * VEC;
-        const uint4 x = *reinterpret_cast<const uint4*>((is_u ? KB : KA) + i * LDK + c);
-        store16((is_u ? uout : wout) + (t0 + i) * row_hd + h * D + c, x);
+#pragma unroll
+    for (int m = 0; m < ITERS8; ++m) {  // this thread's pieces of w and u
+      const int i = r8 + m * RSTEP8;
+      if (i < valid) {
+        store16(wout + i * ld_hd + c8, *reinterpret_cast<const uint4*>(KA + i * LDK + c8));
+        store16(uout + i * ld_hd + c8, *reinterpret_cast<const uint4*>(KB + i * LDK + c8));
       }
     }
   } else {
   // ---- phase 2: elementwise outputs qg, kg_t, decay (16-byte stores) --------------------
   {
     constexpr int VEC = 8;
-    T* qg = static_cast<T*>(a.qg) + static_cast<int64_t>(t0) * row_hd + h * D;
     for (int e = tid; e < valid * (D / VEC); e += NT) {
       const int i = e / (D / VEC), c = (e % (D / VEC)) * VEC;
       float out8[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) out8[j] = qval(i, c + j) * rq[i] * exp2_fast(Gs[i * LDG + gcol(c + j)]);
-      store16(qg + i * row_hd + c, pack8<Io>(out8));
+      store16(qg + i * ld_hd + c, pack8<Io>(out8));
     }
   }
   store_kg_t_and_decay();
@@ -871,7 +894,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       const int i = 16 * bi + r, j = 16 * bj + c;
       // (masked entries of a diagonal block may be huge or inf: selected away, never scaled)
       const float v = diag && j > i ? 0.0f : a.scale * x;
-      if (i < valid) aqk[(t0 + i) * row_hc + h * C + j] = from_float<Io>(v);
+      if (i < valid) aqk[i * ld_hc + j] = from_float<Io>(v);
     });
   }
   if (diag_mma) {
@@ -880,7 +903,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     for (int e = tid; e < valid * (C / VEC); e += NT) {
       const int i = e / (C / VEC), j = (e % (C / VEC)) * VEC;
       if (j >= 16 * (i / 16 + 1))
-        store16(aqk + (t0 + i) * row_hc + h * C + j, make_uint4(0, 0, 0, 0));
+        store16(aqk + i * ld_hc + j, make_uint4(0, 0, 0, 0));
     }
   }
 
@@ -961,10 +984,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
           });
           mma::mma<DType::kBF16>(acc, fa, fb);
         }
-        T* dst = (is_w ? wout : uout) + static_cast<int64_t>(t0) * row_hd + h * D + 16 * dt;
+        T* dst = (is_w ? wout : uout) + 16 * dt;
         mma::for_each(acc, [&](int r, int c, float& x) {
           const int i = 16 * bi + r;
-          if (i < valid) dst[i * row_hd + c] = from_float<Io>(x);
+          if (i < valid) dst[i * ld_hd + c] = from_float<Io>(x);
         });
       }
     };
@@ -1014,7 +1037,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     T* dst = is_w ? wout : uout;
 #pragma unroll
     for (int i = 0; i < C; ++i)
-      if (i < valid) dst[(t0 + i) * row_hd + h * D + d] = from_float<Io>(y[i]);
+      if (i < valid) dst[i * ld_hd + d] = from_float<Io>(y[i]);
   }
   }  // kMmaSolve
   }  // kPlanar
