@@ -62,8 +62,8 @@ __device__ __forceinline__ void copy_rows(uint16_t* dst, const uint16_t* src, in
     const int e = threadIdx.x + m * NT;
     if (N % NT == 0 || e < N) {
       const int r = e / (WIDTH / VEC), c = (e % (WIDTH / VEC)) * VEC;
-      const bool in = r < valid;
-      async::copy16(dst + r * LD + c, in ? src + r * row_stride + c : src, in);
+      const bool in = r < valid;  // else zero-filled, from row 0
+      async::copy16(dst + r * LD + c, src + ((in ? r : 0) * row_stride + c), in);
     }
   }
 }
@@ -263,11 +263,14 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
       mma::zero(vn[ct]);
       mma::zero(o[ct]);
       if (!transfer) {
-        mma::for_each(vn[ct], [&](int r, int cc, float& x) {
-          const int i = 16 * ct + cc;
-          if constexpr (Cfg::kStageUO) x = to_float<Io>(Us[i * Lay::LDU + 16 * wave + r]);
-          else x = i < valid ? to_float<Io>(u[(t0 + i) * row_hd + h * D + row0 + r]) : 0.0f;
-        });
+        if constexpr (Cfg::kStageUO) {
+          mma::load_tile_t<Io>(vn[ct], Us + (16 * ct) * Lay::LDU + 16 * wave, Lay::LDU);  // u -> u^T
+        } else {
+          mma::for_each(vn[ct], [&](int r, int cc, float& x) {
+            const int i = 16 * ct + cc;
+            x = i < valid ? to_float<Io>(u[(t0 + i) * row_hd + h * D + row0 + r]) : 0.0f;
+          });
+        }
       }
     }
     // o's column tile ci into this wave's columns of the u / o tile (after every lane of
@@ -275,9 +278,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     // segment per token as two 16-byte stores.
     auto stage_o = [&](int ci, mma::Acc& oc) {
       if (ci == 0) wave_sync();
-      mma::for_each(oc, [&](int r, int cc, float& x) {
-        Us[(16 * ci + cc) * Lay::LDU + 16 * wave + r] = from_float<Io>(x);
-      });
+      mma::store_tile_t<Io>(oc, Us + (16 * ci) * Lay::LDU + 16 * wave, Lay::LDU);  // o^T -> o
     };
     auto store_o = [&]() {
       wave_sync();

@@ -168,6 +168,15 @@ template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint
   *reinterpret_cast<i16x4*>(p + (lane_id() & 15) * ld + 4 * (lane_id() >> 4)) = x;
 }
 
+// The tile transposed, through 16-bit LDS at p[col * ld + row]: store_tile_t rounds the
+// accumulator to T, load_tile_t widens it back (element by element here).
+template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
+  for_each(c, [&](int r, int col, float& x) { p[col * ld + r] = pack1<T>(x); });
+}
+template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
+  for_each(c, [&](int r, int col, float& x) { x = to_float<T>(p[col * ld + r]); });
+}
+
 // -x for every element (16-bit floats: flip the sign bits; exact).
 __device__ __forceinline__ Frag neg(Frag f) {
   f.x ^= static_cast<short>(0x8000);

@@ -243,6 +243,39 @@ template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint
   }
 }
 
+// The tile transposed, through 16-bit LDS at p[col * ld + row] (rows 16-byte aligned):
+// store_tile_t rounds the accumulator to T, load_tile_t widens it back. One
+// stmatrix / ldmatrix .x4.trans: register i holds quadrant (rows 8 (i & 1), columns
+// 8 (i >> 1)), whose transposed rows lanes 8i .. 8i + 7 address.
+#if defined(KDAGEN_EMULATE)
+template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
+  for_each(c, [&](int r, int col, float& x) { p[col * ld + r] = from_float<T>(x); });
+}
+template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
+  for_each(c, [&](int r, int col, float& x) { x = to_float<T>(p[col * ld + r]); });
+}
+#else
+__device__ __forceinline__ const uint16_t* tile_t_row(const uint16_t* p, int ld) {
+  const int i = lane_id() >> 3, j = lane_id() & 7;
+  return p + (8 * (i >> 1) + j) * ld + 8 * (i & 1);
+}
+template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(tile_t_row(p, ld)));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n"
+               ::"r"(s), "r"(pack2<T>(c.v[0], c.v[1])), "r"(pack2<T>(c.v[2], c.v[3])),
+               "r"(pack2<T>(c.v[4], c.v[5])), "r"(pack2<T>(c.v[6], c.v[7]))
+               : "memory");
+}
+template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
+  const Frag f = ldmatrix_x4<true>(tile_t_row(p, ld));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    c.v[2 * i] = to_float<T>(static_cast<uint16_t>(f.r[i] & 0xffffu));
+    c.v[2 * i + 1] = to_float<T>(static_cast<uint16_t>(f.r[i] >> 16));
+  }
+}
+#endif
+
 // -x for every element (16-bit floats: flip the sign bits; exact).
 __device__ __forceinline__ Frag neg(Frag f) {
 #pragma unroll
