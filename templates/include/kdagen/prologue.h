@@ -138,6 +138,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   const int chunk = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
   if (chunk >= a.num_chunks) return;
   const int tid = threadIdx.x, lane = lane_id(), wave = wave_id();
+  const int n = a.chunk_indices[2 * chunk], lc = a.chunk_indices[2 * chunk + 1];
+  const int bos = a.cu_seqlens[n], eos = a.cu_seqlens[n + 1];
+  const int t0 = bos + lc * C;
+  const int valid = min(C, eos - t0);
+  const int last = valid - 1;
   // A thread's 16-byte pieces of a [C][D] plane of 16-bit values: columns c8 .. c8 + 7 of
   // rows r8 + m RSTEP8, m < ITERS8 (whole rows per pass); block8(m) is that row's 16-row block.
   constexpr int PIECES8 = D / 8, RSTEP8 = NT / PIECES8, ITERS8 = C / RSTEP8;
@@ -145,16 +150,6 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   const int r8 = static_cast<int>(static_cast<unsigned>(tid) / PIECES8);
   const int c8 = static_cast<int>(static_cast<unsigned>(tid) % PIECES8) * 8;
   auto block8 = [&](int m) { return (m * RSTEP8) / 16 + (RSTEP8 > 16 ? r8 / 16 : 0); };
-  // The gate's per-head constants first: their loads need only h, and land while the
-  // chunk's row range (two dependent loads) is read.
-  const float a_log = a.a_log[h];
-  const float4 bias0 = *reinterpret_cast<const float4*>(a.dt_bias + h * D + c8);
-  const float4 bias1 = *reinterpret_cast<const float4*>(a.dt_bias + h * D + c8 + 4);
-  const int n = a.chunk_indices[2 * chunk], lc = a.chunk_indices[2 * chunk + 1];
-  const int bos = a.cu_seqlens[n], eos = a.cu_seqlens[n + 1];
-  const int t0 = bos + lc * C;
-  const int valid = min(C, eos - t0);
-  const int last = valid - 1;
 
   // ---- inputs: raw rows, or the causal depthwise conv + SiLU of them ------------------
   auto raw = [&](const Strided& s, int t, int d) -> float {
@@ -262,27 +257,24 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   auto gcol = [](int d) { return Lay::kPlanar ? d ^ ((d >> 3) & 4) : d; };
   auto g2 = [&](int i, int d) { return *reinterpret_cast<const float2*>(Gs + i * LDG + gcol(d)); };
 
-  // ---- phase 1: the gate, k (and q) rows, beta; then norms and the cumulative gate -----
-  // Every global load of the chunk is issued here, before anything waits on one: the raw
-  // gate first (computed on first), then k and q (as asynchronous copies where the target
-  // has them, landing while the gate is computed), then beta.
-  auto stage_k_q_beta = [&]() {
-    stage(Ks, 1, Async{});
-    if constexpr (Cfg::kStageQ) stage(Qs, 0, Async{});
-    async::commit();
-    for (int i = tid; i < C; i += NT)
-      bt[i] = i < valid ? sigmoid(to_float<Io>(static_cast<const T*>(a.beta.ptr)[
-                              static_cast<int64_t>(t0 + i) * a.beta.token +
-                              static_cast<int64_t>(h) * a.beta.head]))
-                        : 0.0f;
-  };
+  // ---- phase 1: k (and q) rows, beta, the gate; then norms and the cumulative gate -----
+  // Every global load of the chunk is issued here, before anything waits on one (k and q
+  // as asynchronous copies where the target has them, landing while the gate is computed).
+  stage(Ks, 1, Async{});
+  if constexpr (Cfg::kStageQ) stage(Qs, 0, Async{});
+  async::commit();
+  for (int i = tid; i < C; i += NT)
+    bt[i] = i < valid ? sigmoid(to_float<Io>(static_cast<const T*>(a.beta.ptr)[
+                            static_cast<int64_t>(t0 + i) * a.beta.token +
+                            static_cast<int64_t>(h) * a.beta.head]))
+                      : 0.0f;
   {
     // The per-step gate (log2 units) into the G plane, zero past the end, from 16-byte
     // loads of the raw gate where its rows are aligned. A thread keeps its pieces' column
     // (its dt_bias and gate constants) for all of its rows.
     constexpr int VEC = 8, RSTEP = RSTEP8, ITERS = ITERS8;
     const int r0 = r8, c = c8;
-    const float a_exp = __expf(a_log);
+    const float a_exp = __expf(a.a_log[h]);
     const T* base = chunk_rows(a.g);
     const bool plain = aligned_rows(a.g, base);
     const T* src = base + r0 * a.g.token + c;
@@ -305,10 +297,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         }
       }
     }
-    stage_k_q_beta();
     // lower bound: lb log2(e) sigmoid(a_exp (x + bias)) = lb2 / (1 + 2^(x na + bias na)),
     // na = -a_exp log2(e); softplus: gate_log2 of x + bias
-    const float4 b0 = bias0, b1 = bias1;
+    const float* bias = a.dt_bias + h * D + c;
+    const float4 b0 = *reinterpret_cast<const float4*>(bias);
+    const float4 b1 = *reinterpret_cast<const float4*>(bias + 4);
     const float na = -a_exp * kLog2e, lb2 = a.lower_bound * kLog2e;
     float bs[VEC] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
     if constexpr (Cfg::kLowerBound) {
@@ -353,8 +346,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         Gs[(r0 + i) * LDG + d] = acc;
       }
     }
-    if constexpr (SEG > 1) {  // (with one run per column the norms' barrier below publishes G)
-      __syncthreads();
+    __syncthreads();
+    if constexpr (SEG > 1) {
       static_assert(D * SEG == NT, "one (column, run) per thread");
       const int d = gcol(tid % D), sg = tid / D;
       float off = 0.0f;
@@ -684,25 +677,19 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     __syncthreads();
 
     // kg_t [D][C] from the Kb plane: k^_j 2^(G_last - G_j) = Kb_j 2^(G_last - G_l(j)), a thread
-    // per 8 consecutive rows of two neighbouring columns (one block, one factor each; one
-    // 32-bit LDS read per row); rows past the end are zero in Kb (rk = 0). Nothing after
-    // reads it here: no barrier before P5.
+    // per 8 consecutive rows of one column (one block, one factor); rows past the end
+    // are zero in Kb (rk = 0). Nothing after reads it here: no barrier before P5.
     {
-      constexpr int VEC = 8, PIECES = (D / 2) * (C / VEC), ITERS = (PIECES + NT - 1) / NT;
+      constexpr int VEC = 8, PIECES = D * (C / VEC), ITERS = PIECES / NT;
+      static_assert(PIECES % NT == 0, "the kg_t pieces spread evenly");
 #pragma unroll
       for (int m = 0; m < ITERS; ++m) {
-        const int e = tid + m * NT, d = 2 * (e % (D / 2)), i0 = (e / (D / 2)) * VEC;
-        if (PIECES % NT != 0 && e >= PIECES) break;
-        const float2 f = *reinterpret_cast<const float2*>(Lv + (i0 / 16) * D + d);
-        float lo[VEC], hi[VEC];
+        const int e = tid + m * NT, d = e % D, i0 = (e / D) * VEC;
+        const float f = Lv[(i0 / 16) * D + d];
+        float out8[VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const uint32_t x = *reinterpret_cast<const uint32_t*>(KB + (i0 + j) * LDK + d);
-          lo[j] = to_float<Mx>(static_cast<uint16_t>(x & 0xffffu)) * f.x;
-          hi[j] = to_float<Mx>(static_cast<uint16_t>(x >> 16)) * f.y;
-        }
-        store16(kg_t + d * C + i0, pack8<Io>(lo));
-        store16(kg_t + (d + 1) * C + i0, pack8<Io>(hi));
+        for (int j = 0; j < VEC; ++j) out8[j] = to_float<Mx>(KB[(i0 + j) * LDK + d]) * f;
+        store16(kg_t + d * C + i0, pack8<Io>(out8));
       }
     }
 
