@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
@@ -118,7 +119,10 @@ def commit() -> str:
 
 def run(shapes: list[tuple[int, int, int]], reps: int,
         gates: tuple[str, ...] = ("lower_bound", "softplus"),
-        chunk_size: int | str = "auto") -> tuple[list[Row], dict]:
+        chunk_size: int | str = "auto",
+        on_row: Callable[[list[Row], dict], None] | None = None) -> tuple[list[Row], dict]:
+    """Time every (gate, shape); ``on_row(rows so far, meta)`` after each row (so a run cut
+    short still leaves its finished rows written)."""
     import kdagen
     from .autotune import recorded_chunk_size
     from .groups import num_compute_units
@@ -132,7 +136,12 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
         chunk_kda = None
     bw, rate = ceilings()
     target = device_target()
-    rows = []
+    rows: list[Row] = []
+    meta = dict(
+        date=time.strftime("%Y-%m-%d"), commit=commit(), gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__, copy_gbps=bw / 1e9, bf16_tflops=rate / 1e12,
+        cus=num_compute_units(torch.device("cuda")), chunk=str(chunk_size),
+    )
     for gate in gates:
         base = kdagen.KernelSpec.parse({"target": target, "gate": gate})
         for n, t, h in shapes:
@@ -187,13 +196,10 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
             row.floor_ms = max(row.bytes / bw, row.flops / rate) * 1e3
             rows.append(row)
             print(_line(row), flush=True)
+            if on_row is not None:
+                on_row(rows, meta)
             del sets, pro, outs, inits
             torch.cuda.empty_cache()
-    meta = dict(
-        date=time.strftime("%Y-%m-%d"), commit=commit(), gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__, copy_gbps=bw / 1e9, bf16_tflops=rate / 1e12,
-        cus=num_compute_units(torch.device("cuda")), chunk=str(chunk_size),
-    )
     return rows, meta
 
 
@@ -247,22 +253,29 @@ def plot(rows: list[Row], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_results(rows: list[Row], meta: dict, markdown: str | None = None,
+                  json_path: str | None = None, plot_path: str | None = None) -> None:
+    """The table as markdown, rows and meta as JSON, the plot as a PNG (each where a path
+    is given); rewritten whole each time, so the files always hold every finished row."""
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(table(rows, meta) + "\n")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=2)
+    if plot_path:
+        plot(rows, plot_path)
+
+
 def main(ns: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("kdagen: error: bench needs a GPU (torch.cuda.is_available() is False)")
         return 1
     gates = tuple(g.strip() for g in (ns.gates or "lower_bound,softplus").split(","))
     rows, meta = run(parse_shapes(ns.shapes or DEFAULT_SHAPES), ns.reps, gates,
-                     getattr(ns, "chunk_size", "auto"))
-    text = table(rows, meta)
+                     getattr(ns, "chunk_size", "auto"),
+                     on_row=lambda rs, m: write_results(rs, m, ns.markdown, ns.json))  # (plot at the end)
     print()
-    print(text)
-    if ns.markdown:
-        with open(ns.markdown, "w") as f:
-            f.write(text + "\n")
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=2)
-    if ns.plot:
-        plot(rows, ns.plot)
+    print(table(rows, meta))
+    write_results(rows, meta, ns.markdown, ns.json, ns.plot)
     return 0

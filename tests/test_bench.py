@@ -23,6 +23,24 @@ def test_table_names_each_rows_chunk_size():
     assert "2.47x" in line and "tuned by `kdagen tune --chunk-sizes`" in text
 
 
+def test_results_are_rewritten_whole_after_each_row(tmp_path):
+    """`kdagen bench` writes its markdown and JSON after every row (a run cut short keeps
+    its finished rows): each write holds all rows so far, not only the newest."""
+    import json
+
+    meta = dict(date="2026-12-03", commit="abc", gpu="GPU", cus=132, torch="2.11", copy_gbps=4200,
+                bf16_tflops=795, chunk="16")
+    rows = [bench.Row(f"{n}x4096x32", "lower_bound", n * 4096 * 32, 16, 1, 1.3, 0.7, 0.5, 4.5, 0.9,
+                      *bench.traffic(n * 4096 * 32, 16), 6e-3) for n in (8, 16)]
+    md, js = tmp_path / "b.md", tmp_path / "b.json"
+    bench.write_results(rows[:1], meta, str(md), str(js))
+    assert "8x4096x32" in md.read_text() and len(json.loads(js.read_text())["rows"]) == 1
+    bench.write_results(rows, meta, str(md), str(js))
+    text = md.read_text()
+    assert "8x4096x32" in text and "16x4096x32" in text and text.count("\n| 8x4096x32 |") == 1
+    assert [r["shape"] for r in json.loads(js.read_text())["rows"]] == ["8x4096x32", "16x4096x32"]
+
+
 def test_profile_argv_loads_the_named_variant(monkeypatch):
     import kdagen
     from kdagen import jit
