@@ -272,17 +272,16 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     // The per-step gate (log2 units) into the G plane, zero past the end, from 16-byte
     // loads of the raw gate where its rows are aligned. A thread keeps its pieces' column
     // (its dt_bias and gate constants) for all of its rows.
-    constexpr int VEC = 8, RSTEP = RSTEP8, ITERS = ITERS8;
-    const int r0 = r8, c = c8;
+    constexpr int VEC = 8;
     const float a_exp = __expf(a.a_log[h]);
     const T* base = chunk_rows(a.g);
     const bool plain = aligned_rows(a.g, base);
-    const T* src = base + r0 * a.g.token + c;
-    const int64_t step = RSTEP * a.g.token;
-    uint4 buf[ITERS];
+    const T* src = base + r8 * a.g.token + c8;
+    const int64_t step = RSTEP8 * a.g.token;
+    uint4 buf[ITERS8];
 #pragma unroll
-    for (int m = 0; m < ITERS; ++m) {
-      const int i = r0 + m * RSTEP;
+    for (int m = 0; m < ITERS8; ++m) {
+      const int i = r8 + m * RSTEP8;
       buf[m] = make_uint4(0, 0, 0, 0);
       if (i < valid) {
         if (plain) {
@@ -291,15 +290,15 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
           uint32_t w[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            w[j] = static_cast<uint32_t>(from_float<Io>(raw(a.g, t0 + i, c + 2 * j))) |
-                   (static_cast<uint32_t>(from_float<Io>(raw(a.g, t0 + i, c + 2 * j + 1))) << 16);
+            w[j] = static_cast<uint32_t>(from_float<Io>(raw(a.g, t0 + i, c8 + 2 * j))) |
+                   (static_cast<uint32_t>(from_float<Io>(raw(a.g, t0 + i, c8 + 2 * j + 1))) << 16);
           buf[m] = make_uint4(w[0], w[1], w[2], w[3]);
         }
       }
     }
     // lower bound: lb log2(e) sigmoid(a_exp (x + bias)) = lb2 / (1 + 2^(x na + bias na)),
     // na = -a_exp log2(e); softplus: gate_log2 of x + bias
-    const float* bias = a.dt_bias + h * D + c;
+    const float* bias = a.dt_bias + h * D + c8;
     const float4 b0 = *reinterpret_cast<const float4*>(bias);
     const float4 b1 = *reinterpret_cast<const float4*>(bias + 4);
     const float na = -a_exp * kLog2e, lb2 = a.lower_bound * kLog2e;
@@ -309,8 +308,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       for (int j = 0; j < VEC; ++j) bs[j] *= na;
     }
 #pragma unroll
-    for (int m = 0; m < ITERS; ++m) {
-      const int i = r0 + m * RSTEP;
+    for (int m = 0; m < ITERS8; ++m) {
+      const int i = r8 + m * RSTEP8;
       float raw8[VEC];
       unpack8<Io>(buf[m], raw8);
       const bool in = i < valid;
@@ -326,8 +325,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         }
       }
       float* row = Gs + i * LDG;
-      *reinterpret_cast<float4*>(row + gcol(c)) = make_float4(gv[0], gv[1], gv[2], gv[3]);
-      *reinterpret_cast<float4*>(row + gcol(c + 4)) = make_float4(gv[4], gv[5], gv[6], gv[7]);
+      *reinterpret_cast<float4*>(row + gcol(c8)) = make_float4(gv[0], gv[1], gv[2], gv[3]);
+      *reinterpret_cast<float4*>(row + gcol(c8 + 4)) = make_float4(gv[4], gv[5], gv[6], gv[7]);
     }
   }
   async::wait<0>();  // this thread's k / q copies have landed; the barrier publishes them
