@@ -197,9 +197,43 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   int64_t next_hc = (bos + static_cast<int64_t>(c0) * C) * row_hc + h * C;  // aqk [T][H][C]
   int64_t next_ch = (static_cast<int64_t>(cbase + c0) * H + h) * D;         // decay [chunk][H][D]
   int next_rows = len - c0 * C;                                             // tokens from its first row
+  // One 16-byte piece per thread of each w / qg / u and kg_t tile (and of aqk, decay for
+  // the first threads): the piece's offsets are fixed for the walk, only the chunk's
+  // 64-bit base moves.
+  constexpr bool kOnePiece = !kWg && C * D / 8 == NT && C * BV / 8 == NT && D * C / 8 == NT &&
+                             C * C / 8 <= NT && D / 4 <= NT;
+  const int tid = threadIdx.x;
+  const int pr = tid / (D / 8), pc = (tid % (D / 8)) * 8;  // w / qg / u piece: row, column
+  const int p_off = pr * ld_hd + pc, p_dst = pr * LDW + pc, p_udst = pr * Lay::LDU + pc;
+  const int ar = tid / (C / 8), ac = (tid % (C / 8)) * 8;  // aqk piece (tid < C * C / 8)
+  const int a_off = ar * ld_hc + ac, a_dst = ar * LDC + ac;
+  const int k_dst = (tid / (C / 8)) * LDC + (tid % (C / 8)) * 8;  // kg_t piece tid of D * C
   // Issue the copies of the next chunk's operands into stage `st`.
   auto load_next = [&](const Stage& st) {
     const int valid = min(C, next_rows);
+    if constexpr (kOnePiece) {
+      const bool in = pr < valid;
+      const int64_t o = next_hd + (in ? p_off : pc);  // zero-filled from row 0
+      async::copy16(st.Ws + p_dst, static_cast<const uint16_t*>(a.w) + o, in);
+      if constexpr (kMode != kWalkPassOne) {
+        async::copy16(st.Qs + p_dst, static_cast<const uint16_t*>(a.qg) + o, in);
+        if (tid < C * C / 8) {
+          const bool ain = ar < valid;
+          async::copy16(st.As + a_dst, static_cast<const uint16_t*>(a.aqk) + next_hc + (ain ? a_off : ac), ain);
+        }
+      }
+      async::copy16(st.KGs + k_dst, static_cast<const uint16_t*>(a.kg_t) + next_ch * C + 8 * tid, true);
+      if constexpr (Cfg::kStageUO) {
+        if (!transfer) async::copy16(st.Us + p_udst, u + o + col0, in);
+      }
+      if (tid < D / 4) async::copy16(st.Ds + 4 * tid, a.decay + next_ch + 4 * tid, true);
+      async::commit();
+      next_hd += C * row_hd;
+      next_hc += C * row_hc;
+      next_ch += static_cast<int64_t>(H) * D;
+      next_rows -= C;
+      return;
+    }
     const uint16_t* kg_src = static_cast<const uint16_t*>(a.kg_t) + next_ch * C;  // kg_t [chunk][H][D][C]
     copy_operand<kWg, C, D, LDW, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
     if constexpr (kMode != kWalkPassOne) {
