@@ -326,8 +326,8 @@ def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, rep
     dev = _gpu(device)
     shape = ShapeClass.of(num_seqs, num_heads, chunks_per_seq)
     x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq, dev)
-    p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
-    out = torch.empty_like(p["u"])
+    p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=True)
+    out = torch.empty_like(p["w"])
     gen = torch.Generator(device="cpu").manual_seed(0)
     init = (torch.randn(num_seqs, num_heads, spec.head_dim, spec.head_dim, generator=gen) * 0.05).to(dev)
     bv, D = spec.block_width, spec.head_dim
@@ -336,8 +336,8 @@ def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, rep
 
     def run(g: int) -> float:
         return _time_ms(lambda: kern.fused_kda_chunk(
-            p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], out, None, x.cu_seqlens,
-            init, True, groups=g), reps)
+            p["qg"], p["w"], x.v, p["kg_t"], p["aqk"], p["decay"], out, None, x.cu_seqlens,
+            init, True, groups=g, akk=p["akk"]), reps)
 
     with torch.cuda.device(dev):
         best, times = pick_fastest(group_candidates(chunks_per_seq, heuristic), run)
@@ -358,9 +358,7 @@ def _end_to_end_ms(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, rep
     x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq, dev, seed=1)
 
     def end_to_end():
-        p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
-        return kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
-                                    p["u"], None, x.cu_seqlens, None, True, groups=g)
+        return kern.prefill(*x.args(), None, x.lower_bound, x.cu_seqlens, None, True, groups=g)
 
     with torch.cuda.device(dev):
         return _time_ms(end_to_end, reps)

@@ -3,10 +3,11 @@ side by side in one process, on the same inputs, with the roofline beside it.
 
 Per token x head (K = V = D, chunk C: ``--chunk-size``, by default the size ``kdagen
 tune --chunk-sizes`` recorded for the shape, else 64; bf16), counted for the two-kernel
-design:
-  bytes  read q, k, v, g (4 D x 2) + beta (2); prologue writes qg, w, u (3 D x 2),
-         aqk (C x 2), kg_t (D x 2); the scan reads them back and writes o (D x 2).
-  FLOPs  prologue 4 C D (L, aqk, the triangular solves of w and u) + scan 6 D^2
+design with u formed in the scan (``Kernels.prefill``, ``defer_u``):
+  bytes  the prologue reads q, k, g (3 D x 2) + beta (2) and writes qg, w, kg_t (3 D x 2),
+         aqk, akk (2 C x 2) and the fp32 decay (4 D / C); the scan reads them back, reads
+         v (D x 2) and writes o (D x 2).
+  FLOPs  4 C D (L, aqk, the triangular solve of w, akk v) + scan 6 D^2
          (S w, S qg, kg v_new) + C D (aqk v_new).
 Times are medians of CUDA-event timings over many runs, rotating through several
 input sets so the L2 cache does not flatter either side.
@@ -74,7 +75,7 @@ def profile_argv(argv: list[str], default_shapes: str):
 
 def traffic(token_heads: int, C: int = 64) -> tuple[float, float]:
     """Bytes and FLOPs of the two-kernel design for ``token_heads`` at chunk ``C``."""
-    per_bytes = 4 * D * 2 + 2 + 2 * (3 * D * 2 + C * 2 + D * 2) + D * 2
+    per_bytes = 3 * D * 2 + 2 + 2 * (3 * D * 2 + 2 * C * 2 + 4 * D / C) + D * 2 + D * 2
     per_flops = 4 * C * D + 6 * D * D + C * D
     return per_bytes * token_heads, per_flops * token_heads
 
@@ -153,23 +154,22 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
             sets = [make_inputs([t] * n, h, D, gate=gate, seed=s) for s in range(nsets)]
             inits = [torch.randn(n, h, D, D, device="cuda") * 0.05 for _ in range(nsets)]
             lb = sets[0].lower_bound
-            pro = [kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens) for x in sets]
-            outs = [torch.empty_like(p["u"]) for p in pro]
+            pro = [kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens, defer_u=True)
+                   for x in sets]
+            outs = [torch.empty_like(p["w"]) for p in pro]
 
-            def ours(i):
+            def ours(i):  # u formed in the scan (the inputs' v rows allow it)
                 x = sets[i]
-                p = kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens)
-                return kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
-                                            p["u"], None, x.cu_seqlens, inits[i], True)
+                return kern.prefill(*x.args(), None, lb, x.cu_seqlens, inits[i], True)
 
             def prologue_only(i):
                 x = sets[i]
-                kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens)
+                kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens, defer_u=True)
 
             def chunk_only(i):
                 p = pro[i]
-                kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
-                                     outs[i], None, sets[i].cu_seqlens, inits[i], True)
+                kern.fused_kda_chunk(p["qg"], p["w"], sets[i].v, p["kg_t"], p["aqk"], p["decay"],
+                                     outs[i], None, sets[i].cu_seqlens, inits[i], True, akk=p["akk"])
 
             groups = kern._choose_groups((t + C - 1) // C, n, h, torch.device("cuda"))  # as used
             row = Row(f"{n}x{t}x{h}", gate, th, C, groups, time_ms(ours, nsets, reps),

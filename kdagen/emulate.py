@@ -45,18 +45,19 @@ class RecurrentArgs(ct.Structure):
 
 class PrologueArgs(ct.Structure):
     _fields_ = [(n, Strided) for n in ("q", "k", "v", "g", "beta")] + \
-        [(n, P) for n in ("a_log", "dt_bias", "qg", "w", "u", "kg_t", "aqk", "decay", "cu_seqlens",
-                          "chunk_indices", "conv_weight", "conv_state", "conv_state_indices",
-                          "conv_has_initial_state")] + \
+        [(n, P) for n in ("a_log", "dt_bias", "qg", "w", "u", "kg_t", "aqk", "decay", "akk",
+                          "cu_seqlens", "chunk_indices", "conv_weight", "conv_state",
+                          "conv_state_indices", "conv_has_initial_state")] + \
         [(n, ct.c_int32) for n in ("num_chunks", "num_heads", "num_seqs", "num_conv_slots")] + \
         [("scale", ct.c_float), ("lower_bound", ct.c_float)]
 
 
 class ChunkArgs(ct.Structure):
-    _fields_ = [(n, P) for n in ("qg", "w", "u", "kg_t", "aqk", "decay", "out", "cu_seqlens",
-                                 "chunk_offsets", "initial_state", "final_state", "state_cache",
-                                 "state_indices", "has_initial_state", "checkpoint_state",
-                                 "checkpoint_offsets", "checkpoint_state_indices", "workspace")] + \
+    _fields_ = [("qg", P), ("w", P), ("u", Strided)] + \
+        [(n, P) for n in ("kg_t", "aqk", "decay", "akk", "out", "cu_seqlens",
+                          "chunk_offsets", "initial_state", "final_state", "state_cache",
+                          "state_indices", "has_initial_state", "checkpoint_state",
+                          "checkpoint_offsets", "checkpoint_state_indices", "workspace")] + \
         [(n, ct.c_int32) for n in ("num_seqs", "num_heads", "num_groups", "num_slots",
                                    "num_checkpoint_rows")] + [("scale", ct.c_float)]
 
@@ -104,11 +105,13 @@ def _ops(lib: ct.CDLL, spec: KernelSpec) -> dict:
     if "prologue" in spec.ops:
         def prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, qg, w, u, kg_t, aqk, decay,
                      cu_seqlens, chunk_indices, conv_weight, conv_state, conv_state_indices,
-                     conv_has_initial_state, scale, lower_bound, f=getattr(lib, f"{sym}_prologue")):
+                     conv_has_initial_state, scale, lower_bound, akk=None,
+                     f=getattr(lib, f"{sym}_prologue")):
             a = PrologueArgs(
                 _strided(q, 1, 2), _strided(k, 1, 2), _strided(v, 1, 2), _strided(raw_g, 1, 2),
                 _strided(raw_beta, 1, 2), A_log.data_ptr(), dt_bias.data_ptr(),
-                *(t.data_ptr() for t in (qg, w, u, kg_t, aqk, decay, cu_seqlens, chunk_indices)),
+                *(_ptr(t) for t in (qg, w, u, kg_t, aqk, decay, akk)),
+                *(t.data_ptr() for t in (cu_seqlens, chunk_indices)),
                 *(_ptr(t) for t in (conv_weight, conv_state, conv_state_indices,
                                     conv_has_initial_state)),
                 chunk_indices.shape[0], q.shape[2], cu_seqlens.numel() - 1,
@@ -119,10 +122,12 @@ def _ops(lib: ct.CDLL, spec: KernelSpec) -> dict:
     if "chunk" in spec.ops:
         def chunk(qg, w, u, kg_t, aqk, decay, out, cu_seqlens, chunk_offsets, scale, initial_state,
                   final_state, workspace, groups, checkpoint_state, checkpoint_offsets,
-                  checkpoint_state_indices, state_cache, state_indices, has_initial_state,
+                  checkpoint_state_indices, state_cache, state_indices, has_initial_state, akk=None,
                   f=getattr(lib, f"{sym}_chunk")):
             a = ChunkArgs(
-                *(t.data_ptr() for t in (qg, w, u, kg_t, aqk, decay, out, cu_seqlens, chunk_offsets)),
+                qg.data_ptr(), w.data_ptr(), _strided(u, 1, 2),
+                *(_ptr(t) for t in (kg_t, aqk, decay, akk)),
+                *(t.data_ptr() for t in (out, cu_seqlens, chunk_offsets)),
                 *(_ptr(t) for t in (initial_state, final_state, state_cache, state_indices,
                                     has_initial_state, checkpoint_state, checkpoint_offsets,
                                     checkpoint_state_indices, workspace)),

@@ -89,19 +89,20 @@ def kda_forward(
             chunk_size = tuned or chunk_size
     kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size,
                       block_width=block_width)
-    pro = kern.fused_kda_prologue(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens)
-    if block_width is None and not torch.compiler.is_compiling():
+
+    def scan(num_seqs: int, chunks_per_seq: int):
         # the prologue is the same for every block width; the chunk scan may take a tuned one
-        # (chunks per sequence counted as fused_kda_chunk counts them)
-        chunks_per_seq = pro["kg_t"].shape[0] // max(N, 1)
-        tuned = autotune.recorded_block_width(kern.spec, N, H, chunks_per_seq, q.device)
-        if tuned is not None and tuned != kern.spec.block_width:
-            kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size,
-                              block_width=tuned)
-    out = pro["u"]  # the scan reads each chunk's u before it writes that chunk's output
-    o, final = kern.fused_kda_chunk(pro["qg"], pro["w"], pro["u"], pro["kg_t"], pro["aqk"],
-                                    pro["decay"], out, scale, cu_seqlens, initial_state,
-                                    output_final_state, groups=groups)
+        if block_width is not None or torch.compiler.is_compiling():
+            return kern
+        tuned = autotune.recorded_block_width(kern.spec, num_seqs, H, chunks_per_seq, q.device)
+        if tuned is None or tuned == kern.spec.block_width:
+            return kern
+        return for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size,
+                          block_width=tuned)
+
+    # u is formed in the chunk scan from v where v's rows allow it (Kernels.prefill)
+    o, final = kern.prefill(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                            initial_state, output_final_state, groups=groups, scan=scan)
     return o.reshape(B, T, H, -1), final
 
 

@@ -7,6 +7,7 @@ caching allocator, and launch on the current stream without synchronising.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -36,6 +37,16 @@ class Kernels:
 
     def __repr__(self) -> str:
         return f"Kernels({self.spec.name}, ops={sorted(self.ops)})"
+
+    @functools.cached_property
+    def scan_forms_u(self) -> bool:
+        """Whether ``prefill`` leaves u to the chunk scan (``defer_u``) on this variant:
+        where the scan stages u / o through LDS, with the akk tile beside them. Elsewhere
+        (CDNA at chunk 64, u / o per element: the akk operand would be read per element
+        too, and the walk spills more) the prologue forms u."""
+        from .render import chunk_plan_for
+
+        return chunk_plan_for(self.spec).stage_uo
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -169,6 +180,8 @@ class Kernels:
         conv_state_indices: torch.Tensor | None = None,
         conv_has_initial_state: torch.Tensor | None = None,
         chunk_indices: torch.Tensor | None = None,
+        *,
+        defer_u: bool = False,
     ) -> dict[str, torch.Tensor]:
         """The whole chunk-path prologue in one launch (plus one for the conv-state
         update). q/k/v/raw_g ``[1, T, H, D]`` may be strided last-dim views of one fused
@@ -176,7 +189,12 @@ class Kernels:
         ``kg_t [chunks, H, D, C]``, ``aqk [1, T, H, C]`` (scale folded in) and fp32
         ``decay [chunks, H, D]``. With ``conv_weight [3*H*D, W]`` the raw bands first go
         through the causal depthwise conv + SiLU, and ``conv_state [slots, 3*H*D, W-1]``
-        rows ``conv_state_indices`` are updated in place."""
+        rows ``conv_state_indices`` are updated in place.
+
+        ``defer_u=True`` leaves u to the chunk scan: v is not read, and ``akk
+        [1, T, H, C]`` = (I + L)^-1 Diag(beta) takes u's place in the result (pass it
+        to ``fused_kda_chunk(..., akk=akk)`` with the raw v as ``u``). Fewer bytes move
+        (C in place of D values per token and head, twice) and the prologue does less."""
         op = "fused_kda_prologue"
         fn = self._op("prologue")
         D, C, dt = self.spec.head_dim, self.spec.chunk_size, self.dtype
@@ -216,6 +234,10 @@ class Kernels:
             elif conv_state_indices is not None or conv_has_initial_state is not None:
                 raise ck.ArgumentError(f"{op}: argument 'conv_state_indices' / "
                                        "'conv_has_initial_state' need conv_state")
+            if defer_u:
+                raise ck.ArgumentError(f"{op}: argument 'defer_u' needs the raw v, but conv_weight "
+                                       "makes v a convolution: the chunk scan cannot form u from it; "
+                                       "pass defer_u=False with conv_weight")
         else:
             for name, t in (("conv_state", conv_state), ("conv_state_indices", conv_state_indices),
                             ("conv_has_initial_state", conv_has_initial_state)):
@@ -238,15 +260,57 @@ class Kernels:
             return _empty(1, T, H, last, dtype=dt, device=dev)
 
         ws = dict(
-            qg=like(D), w=like(D), u=like(D),
+            qg=like(D), w=like(D), **({"akk": like(C)} if defer_u else {"u": like(D)}),
             kg_t=_empty(nchunks, H, D, C, dtype=dt, device=dev),
             aqk=like(C),
             decay=_empty(nchunks, H, D, dtype=torch.float32, device=dev),
         )
-        fn(q, k, v, raw_g, raw_beta, a_log, bias, ws["qg"], ws["w"], ws["u"], ws["kg_t"], ws["aqk"],
-           ws["decay"], sl.cu32, ci, conv_weight, conv_state,
-           conv_state_indices, conv_has_initial_state, _scale(scale, D), lb)
+        fn(q, k, v, raw_g, raw_beta, a_log, bias, ws["qg"], ws["w"], ws.get("u"), ws["kg_t"],
+           ws["aqk"], ws["decay"], sl.cu32, ci, conv_weight, conv_state,
+           conv_state_indices, conv_has_initial_state, _scale(scale, D), lb, ws.get("akk"))
         return ws
+
+    # ---- prefill: both ----------------------------------------------------------------------
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        raw_g: torch.Tensor,
+        raw_beta: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        scale: float | None,
+        lower_bound: float | None,
+        cu_seqlens: torch.Tensor | seqlens.SeqLens,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        *,
+        groups: int | None = None,
+        chunk_indices: torch.Tensor | None = None,
+        scan: "Callable[[int, int], Kernels] | None" = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prologue and the chunk scan of one prefill, ``(o [1, T, H, V], final_state)``.
+        u is formed inside the scan from the raw v (``defer_u``: fewer bytes, a lighter
+        prologue) where v's rows can be copied as 16-byte pieces, else by the prologue (the
+        same result up to rounding). ``scan(num_seqs, chunks_per_seq)`` may name the variant
+        that walks (this spec at another block width); default this one."""
+        defer = self.scan_forms_u and ck.rows16_ok(v)
+        p = self.fused_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound,
+                                    cu_seqlens, chunk_indices=chunk_indices, defer_u=defer)
+        walk = self
+        if scan is not None:
+            N = cu_seqlens.num_seqs if isinstance(cu_seqlens, seqlens.SeqLens) else cu_seqlens.numel() - 1
+            walk = scan(N, p["kg_t"].shape[0] // max(N, 1))
+        if defer:
+            out = _empty(*p["w"].shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
+            return walk.fused_kda_chunk(p["qg"], p["w"], v, p["kg_t"], p["aqk"], p["decay"], out,
+                                        scale, cu_seqlens, initial_state, output_final_state,
+                                        groups=groups, akk=p["akk"])
+        # the scan reads each chunk's u before it writes that chunk's output: o may take u's place
+        return walk.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], p["u"],
+                                    scale, cu_seqlens, initial_state, output_final_state, groups=groups)
 
     # ---- prefill: chunk scan ---------------------------------------------------------------
 
@@ -272,6 +336,7 @@ class Kernels:
         has_initial_state: torch.Tensor | None = None,
         *,
         groups: int | None = None,
+        akk: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunk recurrence and the output projection. States are fp32 V-first
         ``[N, H, V, K]``. ``state_cache [slots, H, V, K]`` with ``state_indices`` /
@@ -280,7 +345,11 @@ class Kernels:
         the returned final state is None. ``checkpoint_offsets [N]`` (multiples of the
         chunk size, 0 = none) snapshot the state after that many tokens into
         ``checkpoint_state`` row n, or row ``checkpoint_state_indices[n]`` (negative =
-        none). ``out`` may alias ``u``. ``groups`` overrides the chunk-group heuristic."""
+        none). ``out`` may alias ``u``. ``groups`` overrides the chunk-group heuristic.
+
+        ``akk`` (from ``fused_kda_prologue(..., defer_u=True)``): ``u`` is then the raw v
+        ``[1, T, H, V]`` (a strided last-dim view is fine, rows 16-byte aligned) and the
+        scan forms u = akk v chunk by chunk."""
         op = "fused_kda_chunk"
         fn = self._op("chunk")
         if state_cache is not None:
@@ -293,8 +362,12 @@ class Kernels:
         T, H = qg.shape[1], qg.shape[2]
         shp = (1, T, H, D)
         ck.tensor(op, "qg", qg, shape=shp)
-        for name, t in (("w", w), ("u", u), ("out", out)):
+        for name, t in (("w", w), ("out", out)) + ((("u", u),) if akk is None else ()):
             ck.tensor(op, name, t, shape=shp, dtypes=(dt,), contiguous=True, aligned=16)
+        if akk is not None:  # u is the raw v, read as 16-byte pieces of its rows
+            ck.tensor(op, "u", u, shape=shp, dtypes=(dt,), last_contiguous=True)
+            ck.rows16(op, "u", u, "(with akk, u is the raw v, read as 16-byte pieces)")
+            ck.tensor(op, "akk", akk, shape=(1, T, H, C), dtypes=(dt,), contiguous=True, aligned=16)
         kg = ck.tensor(op, "kg_t", kg_t, ndim=4, dtypes=(dt,), contiguous=True, aligned=16)
         nchunks = kg.shape[0]
         ck.tensor(op, "kg_t", kg_t, shape=(nchunks, H, D, C))
@@ -302,7 +375,7 @@ class Kernels:
         ck.tensor(op, "decay", decay, shape=(nchunks, H, D), dtypes=(torch.float32,), contiguous=True,
                   aligned=16)  # read as 16-byte copies
         dev = self._gpu(op, qg, "qg")
-        ck.same_device(op, qg, w=w, u=u, kg_t=kg_t, aqk=aqk, decay=decay, out=out)
+        ck.same_device(op, qg, w=w, u=u, kg_t=kg_t, aqk=aqk, decay=decay, out=out, akk=akk)
         sl = seqlens.checked(op, cu_seqlens, T, dev, C)
         N = sl.num_seqs
         st = (N, H, D, D)
@@ -364,7 +437,7 @@ class Kernels:
         workspace = group_workspace(groups, N * H, D, dev, alloc=_empty)
         fn(qg, w, u, kg_t, aqk, decay, out, cu32, co, _scale(scale, D), initial_state, final_state,
            workspace, int(groups), checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
-           state_cache, state_indices, has_initial_state)
+           state_cache, state_indices, has_initial_state, akk)
         return out, final_state
 
 

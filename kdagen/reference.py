@@ -230,7 +230,8 @@ def recurrent_kda_reference(
 def _prologue_chunk(qh: Tensor, kh: Tensor, vv: Tensor, g: Tensor, beta: Tensor, scale: float):
     """One chunk of ``n`` valid rows; inputs ``[n, H, *]``. Outputs head-major.
 
-    Returns ``qg [H,n,K], w [H,n,K], u [H,n,V], aqk [H,n,n], kg [H,n,K], decay [H,K]``.
+    Returns ``qg [H,n,K], w [H,n,K], u [H,n,V], aqk [H,n,n], kg [H,n,K], decay [H,K],
+    akk [H,n,n]``.
     """
     q_, k_, v_, g_ = (x.transpose(0, 1) for x in (qh, kh, vv, g))  # [H, n, *]
     b_ = beta.transpose(0, 1)  # [H, n]
@@ -249,10 +250,11 @@ def _prologue_chunk(qh: Tensor, kh: Tensor, vv: Tensor, g: Tensor, beta: Tensor,
     IL = eye + L  # unit lower triangular; Akk = IL^{-1}
     w = torch.linalg.solve_triangular(IL, b_[..., None] * k_ * torch.exp(G), upper=False)
     u = torch.linalg.solve_triangular(IL, b_[..., None] * v_, upper=False)
+    akk = torch.linalg.solve_triangular(IL, torch.diag_embed(b_), upper=False)  # u = akk v
     G_last = G[:, -1, :]  # [H, K]
     qg = q_ * torch.exp(G)
     kg = k_ * torch.exp(G_last[:, None, :] - G)
-    return qg, w, u, aqk, kg, torch.exp(G_last)
+    return qg, w, u, aqk, kg, torch.exp(G_last), akk
 
 
 def chunk_prologue_reference(
@@ -268,6 +270,7 @@ def chunk_prologue_reference(
     lower_bound: float | None = None,
     cu_seqlens: Tensor | None = None,
     chunk_size: int,
+    defer_u: bool = False,
 ) -> dict[str, Tensor]:
     """The operands the GPU prologue produces, in the op contract's shapes (float64).
 
@@ -283,7 +286,10 @@ def chunk_prologue_reference(
       ``scale * sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])`` at column ``j <= i``, 0 above;
     - ``kg_t [chunks,H,K,C]``: ``kg_t[c,h,d,j] = k_j[d] exp(G_last[d] - G_j[d])``,
       0 in columns past the end of a partial chunk;
-    - ``decay [chunks,H,K] = exp(G_last)``.
+    - ``decay [chunks,H,K] = exp(G_last)``;
+    - with ``defer_u`` (as ``fused_kda_prologue(..., defer_u=True)``), ``akk [1,T,H,C]``
+      in place of ``u``: row of position ``i`` holds ``Akk[i,j] * beta_j`` at column
+      ``j``, so that ``u = akk v`` chunk by chunk; 0 past the chunk's end.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -303,16 +309,19 @@ def chunk_prologue_reference(
         kg_t=torch.zeros(nc, H, K, C, dtype=_F64, device=dev),
         aqk=torch.zeros(1, T, H, C, dtype=_F64, device=dev),
         decay=torch.zeros(nc, H, K, dtype=_F64, device=dev),
+        akk=torch.zeros(1, T, H, C, dtype=_F64, device=dev),
     )
     for ci, (s, e) in enumerate(chunks):
         n = e - s
-        qg, w, u, aqk, kg, decay = _prologue_chunk(qh[s:e], kh[s:e], vv[s:e], g[s:e], beta[s:e], sc)
+        qg, w, u, aqk, kg, decay, akk = _prologue_chunk(qh[s:e], kh[s:e], vv[s:e], g[s:e], beta[s:e], sc)
+        out["akk"][0, s:e, :, :n] = akk.transpose(0, 1)
         out["qg"][0, s:e] = qg.transpose(0, 1)
         out["w"][0, s:e] = w.transpose(0, 1)
         out["u"][0, s:e] = u.transpose(0, 1)
         out["aqk"][0, s:e, :, :n] = aqk.transpose(0, 1)
         out["kg_t"][ci, :, :, :n] = kg.transpose(1, 2)
         out["decay"][ci] = decay
+    del out["akk" if not defer_u else "u"]
     return out
 
 

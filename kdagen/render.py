@@ -94,6 +94,14 @@ def symbol_prefix(spec: KernelSpec) -> str:
     return f"kdagen_{spec.name}"
 
 
+def chunk_plan_for(spec: KernelSpec) -> resources.ChunkPlan:
+    """How this variant's chunk scan buffers its operands on its target."""
+    t = spec.target_info
+    return resources.chunk_plan(spec.head_dim, spec.chunk_size, spec.block_width, spec.io_dtype,
+                                t.wave_size, t.shared_mem, t.async_copy, t.cu_smem,
+                                t.block_smem_reserve, t.warpgroup_mma)
+
+
 def render(spec: KernelSpec) -> Rendered:
     """Render every source of ``spec``."""
     t = spec.target_info
@@ -115,9 +123,7 @@ def render(spec: KernelSpec) -> Rendered:
         prologue_min_blocks=resources.prologue_min_blocks(
             prologue_bytes, t.cu_smem, t.block_smem_reserve,
             resources.prologue_threads(spec.chunk_size)),
-        chunk=resources.chunk_plan(spec.head_dim, spec.chunk_size, spec.block_width,
-                                   spec.io_dtype, t.wave_size, t.shared_mem, t.async_copy,
-                                   t.cu_smem, t.block_smem_reserve, t.warpgroup_mma),
+        chunk=chunk_plan_for(spec),
         pad16=resources.PAD_16BIT,
         pad32=resources.PAD_FP32,
         recurrent_rows=resources.RECURRENT_ROWS_PER_BLOCK,

@@ -94,13 +94,14 @@ def chunk_footprint(
 ) -> Footprint:
     """Per stage: w, qg (C x K), kg_t (K x C), aqk (C x C) tiles (rows padded for
     ldmatrix, or unpadded core-matrix tiles with ``wgmma``), [the u / o tile
-    (C x block_width)], and the fp32 chunk decay; ``stages`` such buffers (the largest
-    walk's: pass one of the chunk groups stages no qg / aqk tiles)."""
+    (C x block_width) and the akk tile (C x C) of the walk that forms u from v], and the
+    fp32 chunk decay; ``stages`` such buffers (the largest walk's: pass one of the chunk
+    groups stages no qg / aqk tiles)."""
     c, d = chunk_size, head_dim
     pad = 0 if wgmma else PAD_16BIT
     elems = 2 * c * (d + pad) + d * (c + pad) + c * (c + pad)
     if stage_uo:
-        elems += c * (block_width + PAD_16BIT)
+        elems += c * (block_width + PAD_16BIT) + c * (c + pad)
     waves = block_width // 16
     return Footprint(waves * wave_size, stages * (elems * IO_BYTES[io_dtype] + d * 4))
 

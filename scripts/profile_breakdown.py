@@ -36,8 +36,9 @@ def kernel_times(fn, reps: int) -> dict[str, float]:
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             name = ev.name.split("<")[0].split("(")[0].replace("void ", "").replace("kdagen::", "")
-            if "<" in ev.name and "chunk_kernel" in ev.name:
-                name += "[mode " + ev.name.split(",")[-1].strip(" >()") + "]"
+            if "<" in ev.name and "chunk_kernel" in ev.name:  # chunk_kernel<Config, mode[, akk]>
+                targs = [a.strip() for a in ev.name.split("<", 1)[1].split(">")[0].split(",")]
+                name += f"[mode {targs[1]}" + (" akk" if targs[2:] == ["true"] else "") + "]"
             out[name] += ev.device_time_total / 1000.0 / reps
     return dict(out)
 
@@ -51,11 +52,9 @@ def main() -> None:
         ci = prepare_chunk_indices(x.cu_seqlens, C)
         groups = kern._choose_groups((t + C - 1) // C, n, h, torch.device("cuda"))
 
-        def e2e(chunk_indices=None):
-            p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens,
-                                        chunk_indices=chunk_indices)
-            return kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"],
-                                        p["u"], None, x.cu_seqlens, init, True, groups=groups)
+        def e2e(chunk_indices=None):  # u formed in the scan (Kernels.prefill)
+            return kern.prefill(*x.args(), None, x.lower_bound, x.cu_seqlens, init, True,
+                                groups=groups, chunk_indices=chunk_indices)
 
         eager = time_ms(lambda _: e2e(), 1, 20)
         e2e(ci)

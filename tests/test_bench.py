@@ -3,10 +3,14 @@
 from kdagen import bench
 
 
-def test_traffic_counts_the_chunk_sized_aqk():
+def test_traffic_counts_the_chunk_sized_operands():
     b64, f64 = bench.traffic(1, 64)
     b32, f32 = bench.traffic(1, 32)
-    assert b64 - b32 == 2 * 32 * 2  # aqk: written once and read once, C x 2 bytes
+    # aqk and akk: each written once and read once, C x 2 bytes; the fp32 decay, D x 4 bytes
+    # per chunk, likewise
+    assert b64 - b32 == 2 * 2 * 32 * 2 - 2 * 4 * 128 * (1 / 32 - 1 / 64)
+    b, _ = bench.traffic(1, 16)  # u formed in the scan: about 2.9 KB per token x head at c16
+    assert b == 3 * 128 * 2 + 2 + 2 * (3 * 128 * 2 + 2 * 16 * 2 + 4 * 128 / 16) + 2 * 128 * 2
     assert f64 - f32 == 5 * 32 * 128  # 4 C D (prologue) + C D (aqk v_new)
     assert bench.traffic(1000, 64) == (1000 * b64, 1000 * f64)
 

@@ -315,7 +315,7 @@ def test_key_changes_with_templates(fake_cc, monkeypatch):
 def test_key_changes_with_a_resource_constant_that_changes_the_sources(fake_cc, monkeypatch):
     from kdagen import resources
 
-    s = spec(target="sm_90")
+    s = spec(target="sm_90", chunk_size=16)  # where the warpgroup walk fits
     base, default = plan(s, "objects"), resources.CHUNK_WGMMA
     monkeypatch.setattr(resources, "CHUNK_WGMMA", not default)  # renders another Config
     changed = plan(s, "objects")

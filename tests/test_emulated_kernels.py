@@ -99,6 +99,37 @@ def test_prologue_and_chunk_match_the_reference(case):
                                     groups=groups)
         assert rel_err(o, o_ref) < TOL, (groups, rel_err(o, o_ref))
         assert rel_err(s, s_ref) < TOL, (groups, rel_err(s, s_ref))
+    check_deferred_u(kern, x, init, o_ref, s_ref)
+
+
+def aligned_view(t: torch.Tensor, pad: int = 8) -> torch.Tensor:
+    """``t`` as a strided view (head stride D + pad) of a wider buffer: rows stay 16-byte
+    aligned, the strides are not the contiguous ones."""
+    buf = torch.full((*t.shape[:-1], t.shape[-1] + pad), float("nan"), dtype=t.dtype)
+    buf[..., :t.shape[-1]] = t
+    return buf[..., :t.shape[-1]]
+
+
+def check_deferred_u(kern, x, init, o_ref, s_ref, groups=(1, 3)):
+    """The prologue with defer_u (akk in place of u, v not read: poisoned in the
+    prologue's call) and the scan forming u = akk v from a strided v."""
+    C = kern.spec.chunk_size
+    v = aligned_view(x.v.contiguous())
+    args = list(x.args())
+    args[2] = torch.full_like(v, float("nan"))  # the prologue must not read v
+    got = kern.fused_kda_prologue(*args, None, x.lower_bound, x.cu_seqlens, defer_u=True)
+    assert "u" not in got
+    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
+                                        cu_seqlens=x.cu_seqlens, chunk_size=C, defer_u=True)
+    for name in ("qg", "w", "kg_t", "aqk", "decay", "akk"):
+        err = rel_err(got[name], want[name].to(got[name].dtype))
+        assert err < TOL, f"deferred {name}: rel err {err:.3e}"
+    for g in groups:
+        out = torch.full_like(got["w"], float("nan"))
+        o, s = kern.fused_kda_chunk(got["qg"], got["w"], v, got["kg_t"], got["aqk"], got["decay"],
+                                    out, None, x.cu_seqlens, init, True, groups=g, akk=got["akk"])
+        assert rel_err(o, o_ref) < TOL, ("deferred", g, rel_err(o, o_ref))
+        assert rel_err(s, s_ref) < TOL, ("deferred", g, rel_err(s, s_ref))
 
 
 WARPGROUP = r"""
@@ -118,10 +149,15 @@ init = torch.randn(N, 2, 64, 64, generator=torch.Generator().manual_seed(2)) * 0
 o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
                                               cu_seqlens=x.cu_seqlens, initial_state=init)
 errs = []
+d = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=True)
 for groups in (1, 3):
     out = torch.full_like(p["u"], float("nan"))
     o, s = kern.fused_kda_chunk(*(p[k] for k in ("qg", "w", "u", "kg_t", "aqk", "decay")), out, None,
                                 x.cu_seqlens, init, True, groups=groups)
+    errs += [rel_err(o, o_ref), rel_err(s, s_ref)]
+    out = torch.full_like(p["u"], float("nan"))  # u formed from v in the walk
+    o, s = kern.fused_kda_chunk(d["qg"], d["w"], x.v, d["kg_t"], d["aqk"], d["decay"], out, None,
+                                x.cu_seqlens, init, True, groups=groups, akk=d["akk"])
     errs += [rel_err(o, o_ref), rel_err(s, s_ref)]
 print(*errs)
 """
@@ -145,7 +181,7 @@ def test_warpgroup_chunk_scan_matches_the_reference(C, late, emulate_cache):
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     errs = list(map(float, r.stdout.split()))
-    assert len(errs) == 4 and max(errs) < TOL, errs
+    assert len(errs) == 8 and max(errs) < TOL, errs
 
 
 @needs_clang
@@ -271,10 +307,16 @@ kern = emulated(dict(head_dim=64, chunk_size=32, block_width=32, target="sm_90")
 x = make_inputs([1, 31, 32, 33, 165], 2, 64, device="cpu", seed=9)  # a walk of 6 chunks
 p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
 o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens)
+d = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens, defer_u=True)
+v = x.v.contiguous()
 errs = []
 for groups in (1, 3):  # 3: walks that start past chunk 0 (pass one, scan, pass two)
     o, s = kern.fused_kda_chunk(*(p[k] for k in ("qg", "w", "u", "kg_t", "aqk", "decay")),
                                 torch.empty_like(p["u"]), None, x.cu_seqlens, None, True, groups=groups)
+    errs += [rel_err(o, o_ref), rel_err(s, s_ref)]
+    o, s = kern.fused_kda_chunk(d["qg"], d["w"], v, d["kg_t"], d["aqk"], d["decay"],  # u from v
+                                torch.empty_like(p["u"]), None, x.cu_seqlens, None, True,
+                                groups=groups, akk=d["akk"])
     errs += [rel_err(o, o_ref), rel_err(s, s_ref)]
 print(*errs)
 """
@@ -290,7 +332,7 @@ def test_copies_landing_as_late_as_cp_async_allows(emulate_cache):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     errs = list(map(float, r.stdout.split()))
-    assert len(errs) == 4 and max(errs) < TOL, errs
+    assert len(errs) == 8 and max(errs) < TOL, errs
 
 
 @needs_clang

@@ -102,6 +102,31 @@ def test_prologue(spec, dtype, gate, strong, record):
         assert err < BF16_TOL, f"{name}: rel err {err:.3e}"
 
 
+@pytest.mark.parametrize("spec,dtype", [
+    (dict(head_dim=128, chunk_size=64), torch.bfloat16),
+    (dict(head_dim=64, chunk_size=64, io_dtype="fp16"), torch.float16),
+    (dict(head_dim=128, chunk_size=32, block_width=64), torch.bfloat16),
+    (dict(head_dim=128, chunk_size=16), torch.bfloat16),
+])
+@pytest.mark.parametrize("gate,strong", [("softplus", True), ("lower_bound", False)])
+def test_prologue_deferred_u(spec, dtype, gate, strong, record):
+    """defer_u: akk = (I + L)^-1 Diag(beta) in place of u, and v never read (NaN here)."""
+    kern = kernels(**spec, gate=gate)
+    D, C = spec["head_dim"], spec["chunk_size"]
+    x = make_inputs(lens_varlen(C), 3, D, dtype=dtype, gate=gate, strong_decay=strong,
+                    seed=D + C + 5 * strong, fused=True)
+    args = list(x.args())
+    args[2] = torch.full_like(x.v, float("nan"))
+    got = kern.fused_kda_prologue(*args, None, x.lower_bound, x.cu_seqlens, defer_u=True)
+    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
+                                        cu_seqlens=x.cu_seqlens, chunk_size=C, defer_u=True)
+    assert "u" not in got
+    for name in ("qg", "w", "akk", "kg_t", "aqk", "decay"):
+        err = rel_err(got[name], want[name].to(got[name].dtype))
+        record(output=name, err=err)
+        assert err < BF16_TOL, f"{name}: rel err {err:.3e}"
+
+
 # ---- chunk scan ---------------------------------------------------------------------------------
 
 
@@ -137,18 +162,59 @@ def test_chunk_against_reference(spec, dtype, groups, record):
     assert rel_err(fin, s_ref) < BF16_TOL
 
 
+@pytest.mark.parametrize("spec,dtype", [
+    (dict(head_dim=128, chunk_size=64), torch.bfloat16),
+    (dict(head_dim=64, chunk_size=64, io_dtype="fp16"), torch.float16),
+    (dict(head_dim=128, chunk_size=64, block_width=32), torch.bfloat16),
+    (dict(head_dim=128, chunk_size=16), torch.bfloat16),
+])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_chunk_forms_u_from_v(spec, dtype, groups, record):
+    """The scan with akk: u = akk v per chunk, v a strided view (head stride D + 8)."""
+    kern = kernels(**spec)
+    D, C = spec["head_dim"], spec["chunk_size"]
+    x = make_inputs(lens_varlen(C) + [9 * C + 3], 2, D, dtype=dtype, seed=groups + D + 1)
+    p = _prologue_ref(x, C, dtype)
+    a = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound, cu_seqlens=x.cu_seqlens,
+                                     chunk_size=C, defer_u=True)["akk"].to(dtype)
+    buf = torch.full((*x.v.shape[:-1], D + 8), float("nan"), dtype=dtype, device=DEV)
+    buf[..., :D] = x.v
+    v = buf[..., :D]
+    N = x.cu_seqlens.numel() - 1
+    init = torch.randn(N, 2, D, D, device=DEV) * 0.1
+    out = torch.full_like(p["u"], float("nan"))
+    o, fin = kern.fused_kda_chunk(p["qg"], p["w"], v, p["kg_t"], p["aqk"], p["decay"], out,
+                                  None, x.cu_seqlens, init, True, groups=groups, akk=a)
+    o_ref, s_ref, _ = ref.chunk_scan_reference(*(p[k] for k in ("qg", "w", "u", "kg_t", "aqk", "decay")),
+                                               scale=D ** -0.5, cu_seqlens=x.cu_seqlens,
+                                               chunk_size=C, initial_state=init)
+    record(out=rel_err(o, o_ref), state=rel_err(fin, s_ref))
+    assert rel_err(o, o_ref) < BF16_TOL
+    assert rel_err(fin, s_ref) < BF16_TOL
+
+
+
 @pytest.mark.parametrize("spec", [dict(head_dim=128), dict(head_dim=128, chunk_size=32, block_width=128),
                                   dict(head_dim=128, chunk_size=16, block_width=128)])
 @pytest.mark.parametrize("gate,strong", [("softplus", False), ("softplus", True),
                                          ("lower_bound", True)])
-def test_end_to_end_against_token_recurrence(spec, gate, strong, record):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_end_to_end_against_token_recurrence(spec, gate, strong, deferred, record):
+    """deferred: Kernels.prefill on aligned inputs (the prologue with defer_u, the scan
+    forming u from v); else the contract's ops, with out aliasing u."""
+    from kdagen.checks import rows16_ok
+
     kern = kernels(**spec, gate=gate)
     x = make_inputs(lens_varlen(64), 2, 128, gate=gate, strong_decay=strong, seed=11 + strong)
     N = x.cu_seqlens.numel() - 1
     init = torch.randn(N, 2, 128, 128, device=DEV) * 0.1
-    p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
-    o, fin = kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], p["u"],
-                                  None, x.cu_seqlens, init, True)  # out aliases u
+    if deferred:
+        assert rows16_ok(x.v) and kern.scan_forms_u  # so prefill defers u
+        o, fin = kern.prefill(*x.args(), None, x.lower_bound, x.cu_seqlens, init, True)
+    else:
+        p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+        o, fin = kern.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], p["u"],
+                                      None, x.cu_seqlens, init, True)  # out aliases u
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
                                                   cu_seqlens=x.cu_seqlens, initial_state=init)
     assert torch.isfinite(o).all() and torch.isfinite(fin).all()

@@ -21,6 +21,12 @@
 //   pass two  (kMode 2): each group walks again from its true start, with outputs.
 // kMode 0 is the single walk. Workspace (fp32, planes of D*D per (group, n*H+h)):
 //   bg [G][N*H][V][K] | rg [G][N*H][K][K] | sin [G][N*H][V][K]
+//
+// u from v (kAkk): the prologue may leave u = (I + L)^-1 Diag(b) v unformed and store
+// akk = (I + L)^-1 Diag(b) (C x C per chunk) instead; the walk then reads the raw v rows
+// in u's place and forms u^T = v^T akk^T on the matrix units (akk is lower triangular by
+// 16-row blocks). Per token x head that moves C x 2 bytes of akk twice instead of u
+// (V x 2 bytes) out of the prologue and back, and the prologue does not read v.
 #pragma once
 
 #include "launch_args.h"
@@ -28,7 +34,8 @@
 namespace kdagen {
 
 // kOutputs: the tiles of o (qg, aqk) are staged too; pass one walks without them.
-template <class Cfg, bool kOutputs = true>
+// kAkk: the akk tile too (u from v), where u / o go through LDS.
+template <class Cfg, bool kOutputs = true, bool kAkk = false>
 struct ChunkLayout {
   static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, BV = Cfg::kBlockV;
   static constexpr bool kWg = Cfg::kChunkWgmma;  // K-major core-matrix tiles (no padding)
@@ -36,8 +43,9 @@ struct ChunkLayout {
   static constexpr int LDC = kWg ? C : C + Cfg::kPad16;  // kg_t [D][LDC], aqk [C][LDC]
   static constexpr int LDU = BV + Cfg::kPad16;  // u in, o out [C][LDU] (kStageUO)
   static constexpr int kStages = Cfg::kChunkStages;  // > 1: kStages - 1 chunks load ahead of this one
+  static constexpr bool kAkkTile = kAkk && Cfg::kStageUO;
   static constexpr int kElems = (kOutputs ? 2 : 1) * C * LDW + D * LDC + (kOutputs ? C * LDC : 0) +
-                                (Cfg::kStageUO ? C * LDU : 0);
+                                (kAkkTile ? C * LDC : 0) + (Cfg::kStageUO ? C * LDU : 0);
   static constexpr int kStageBytes = kElems * 2 + D * 4;
   static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kThreads = (BV / 16) * kWaveSize;
@@ -125,28 +133,29 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
   return nullptr;
 }
 
-template <class Cfg, int kMode>
+template <class Cfg, int kMode, bool kAkk = false>
 __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinBlocks) chunk_kernel(ChunkArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   constexpr bool kOutputs = kMode != kWalkPassOne;
-  using Lay = ChunkLayout<Cfg, kOutputs>;
+  using Lay = ChunkLayout<Cfg, kOutputs, kAkk>;
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
   constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
   constexpr bool kWg = Lay::kWg;
   static_assert(sizeof(T) == 2, "the chunk scan takes 16-bit operands");
 
   KDAGEN_DYNAMIC_SHARED(smem);
-  // One stage: w | [qg] | kg_t | [aqk] | [u, then o] | decay (qg, aqk with outputs).
-  // Stage b of chunk c is b = c % kStages.
-  struct Stage { uint16_t *Ws, *Qs, *KGs, *As, *Us; float* Ds; };
+  // One stage: w | [qg] | kg_t | [aqk] | [akk] | [u or v, then o] | decay (qg, aqk with
+  // outputs, akk with u from v). Stage b of chunk c is b = c % kStages.
+  struct Stage { uint16_t *Ws, *Qs, *KGs, *As, *Ak, *Us; float* Ds; };
   auto stage_at = [&](int b) {
     Stage st;
     st.Ws = reinterpret_cast<uint16_t*>(smem + b * Lay::kStageBytes);
     st.Qs = st.Ws + C * LDW;  // with outputs only
     st.KGs = st.Ws + (kOutputs ? 2 : 1) * C * LDW;
     st.As = st.KGs + D * LDC;  // with outputs only
-    st.Us = st.As + (kOutputs ? C * LDC : 0);
+    st.Ak = st.As + (kOutputs ? C * LDC : 0);  // with u from v only
+    st.Us = st.Ak + (Lay::kAkkTile ? C * LDC : 0);
     st.Ds = reinterpret_cast<float*>(st.Us + (Cfg::kStageUO ? C * Lay::LDU : 0));
     return st;
   };
@@ -187,7 +196,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   const int ck_tokens = (kMode != kWalkPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;
   const int64_t row_hd = static_cast<int64_t>(H) * D, row_hc = static_cast<int64_t>(H) * C;
   const int ld_hd = H * D, ld_hc = H * C;  // the same row strides, for offsets inside a chunk
-  const T* u = static_cast<const T*>(a.u);
+  // u, or the raw v with akk: its own token / head strides (a view of a fused projection)
+  const T* u = static_cast<const T*>(a.u.ptr);
+  const int64_t u_row = a.u.token, u_head = a.u.head;
+  const int ld_u = static_cast<int>(u_row);  // inside a chunk (checked on the host)
+  const T* akk = static_cast<const T*>(a.akk);
   T* out = static_cast<T*>(a.out);
 
   const int col0 = blockIdx.x * BV;  // this block's first column of u / o
@@ -196,6 +209,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   int64_t next_hd = (bos + static_cast<int64_t>(c0) * C) * row_hd + h * D;  // [T][H][D] tensors
   int64_t next_hc = (bos + static_cast<int64_t>(c0) * C) * row_hc + h * C;  // aqk [T][H][C]
   int64_t next_ch = (static_cast<int64_t>(cbase + c0) * H + h) * D;         // decay [chunk][H][D]
+  int64_t next_u = (bos + static_cast<int64_t>(c0) * C) * u_row + h * u_head + col0;  // u or v
   int next_rows = len - c0 * C;                                             // tokens from its first row
   // One 16-byte piece per thread of each w / qg / u and kg_t tile (and of aqk, decay for
   // the first threads): the piece's offsets are fixed for the walk, only the chunk's
@@ -205,6 +219,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   const int tid = threadIdx.x;
   const int pr = tid / (D / 8), pc = (tid % (D / 8)) * 8;  // w / qg / u piece: row, column
   const int p_off = pr * ld_hd + pc, p_dst = pr * LDW + pc, p_udst = pr * Lay::LDU + pc;
+  const int pu_off = pr * ld_u + pc;
   const int ar = tid / (C / 8), ac = (tid % (C / 8)) * 8;  // aqk piece (tid < C * C / 8)
   const int a_off = ar * ld_hc + ac, a_dst = ar * LDC + ac;
   const int k_dst = (tid / (C / 8)) * LDC + (tid % (C / 8)) * 8;  // kg_t piece tid of D * C
@@ -224,13 +239,20 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
       }
       async::copy16(st.KGs + k_dst, static_cast<const uint16_t*>(a.kg_t) + next_ch * C + 8 * tid, true);
       if constexpr (Cfg::kStageUO) {
-        if (!transfer) async::copy16(st.Us + p_udst, u + o + col0, in);
+        if (!transfer) async::copy16(st.Us + p_udst, u + next_u + (in ? pu_off : pc), in);
+      }
+      if constexpr (Lay::kAkkTile) {
+        if (!transfer && tid < C * C / 8) {
+          const bool ain = ar < valid;
+          async::copy16(st.Ak + a_dst, akk + next_hc + (ain ? a_off : ac), ain);
+        }
       }
       if (tid < D / 4) async::copy16(st.Ds + 4 * tid, a.decay + next_ch + 4 * tid, true);
       async::commit();
       next_hd += C * row_hd;
       next_hc += C * row_hc;
       next_ch += static_cast<int64_t>(H) * D;
+      next_u += C * u_row;
       next_rows -= C;
       return;
     }
@@ -243,7 +265,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     copy_operand<kWg, D, C, LDC, NT>(st.KGs, kg_src, C, D);
     if constexpr (Cfg::kStageUO) {
       if (!transfer)
-        copy_rows<C, BV, Lay::LDU, NT>(st.Us, static_cast<const uint16_t*>(a.u) + next_hd + col0, ld_hd, valid);
+        copy_rows<C, BV, Lay::LDU, NT>(st.Us, reinterpret_cast<const uint16_t*>(u) + next_u, ld_u, valid);
+    }
+    if constexpr (Lay::kAkkTile) {
+      if (!transfer)
+        copy_rows<C, C, LDC, NT>(st.Ak, reinterpret_cast<const uint16_t*>(akk) + next_hc, ld_hc, valid);
     }
     copy_rows<1, D * 2, D * 2, NT>(reinterpret_cast<uint16_t*>(st.Ds),
                                    reinterpret_cast<const uint16_t*>(a.decay + next_ch), 0, 1);
@@ -251,6 +277,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     next_hd += C * row_hd;
     next_hc += C * row_hc;
     next_ch += static_cast<int64_t>(H) * D;
+    next_u += C * u_row;
     next_rows -= C;
   };
   // The first kStages - 1 chunks go in flight before the walk (a commit group per
@@ -273,6 +300,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     const int valid = min(C, len - c * C);
     const Stage st = stage_at(SG > 1 ? (c - c0) % SG : 0);
     uint16_t *const Ws = st.Ws, *const Qs = st.Qs, *const KGs = st.KGs, *const As = st.As, *const Us = st.Us;
+    const uint16_t* const Ak = st.Ak;
     const float* Ds = st.Ds;
 
     // ---- this chunk's operands in LDS (the next AHEAD chunks' copies in flight) -----------
@@ -296,14 +324,43 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     for (int ct = 0; ct < CT; ++ct) {
       mma::zero(vn[ct]);
       mma::zero(o[ct]);
-      if (!transfer) {
+      if (!transfer && !kAkk) {
         if constexpr (Cfg::kStageUO) {
           mma::load_tile_t<Io>(vn[ct], Us + (16 * ct) * Lay::LDU + 16 * wave, Lay::LDU);  // u -> u^T
         } else {
           mma::for_each(vn[ct], [&](int r, int cc, float& x) {
             const int i = 16 * ct + cc;
-            x = i < valid ? to_float<Io>(u[(t0 + i) * row_hd + h * D + row0 + r]) : 0.0f;
+            x = i < valid ? to_float<Io>(u[(t0 + i) * u_row + h * u_head + row0 + r]) : 0.0f;
           });
+        }
+      }
+    }
+    if constexpr (kAkk) {
+      // u^T = v^T akk^T: A = v^T (this wave's 16 rows of v, transposed out of the v tile),
+      // B = akk^T, lower triangular by blocks (cj <= ct)
+      if (!transfer) {
+#pragma unroll
+        for (int cj = 0; cj < CT; ++cj) {
+          mma::Frag vt;
+          if constexpr (Cfg::kStageUO) {
+            vt = mma::load_a_smem_t(Us + (16 * cj) * Lay::LDU + 16 * wave, Lay::LDU);
+          } else {
+            vt = mma::load_a<Io>([&](int r, int k) {
+              const int i = 16 * cj + k;
+              return i < valid ? to_float<Io>(u[(t0 + i) * u_row + h * u_head + row0 + r]) : 0.0f;
+            });
+          }
+#pragma unroll
+          for (int ct = cj; ct < CT; ++ct) {
+            if constexpr (Lay::kAkkTile) {
+              mma::mma<Io>(vn[ct], vt, mma::load_b_smem(Ak + (16 * ct) * LDC + 16 * cj, LDC));
+            } else {
+              mma::mma<Io>(vn[ct], vt, mma::load_b<Io>([&](int nn, int k) {
+                const int i = 16 * ct + nn;
+                return i < valid ? to_float<Io>(akk[(t0 + i) * row_hc + h * C + 16 * cj + k]) : 0.0f;
+              }));
+            }
+          }
         }
       }
     }

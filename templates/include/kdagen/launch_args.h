@@ -32,10 +32,12 @@ struct PrologueArgs {
   const float* dt_bias;
   void* qg;     // [T, H, K]
   void* w;      // [T, H, K]
-  void* u;      // [T, H, V]
+  void* u;      // [T, H, V]; not written with akk
   void* kg_t;   // [chunks, H, K, C]
   void* aqk;    // [T, H, C]
   float* decay; // [chunks, H, K]
+  void* akk;    // [T, H, C]: (I + L)^-1 Diag(beta), in place of u (the chunk scan forms
+                // u = akk v); nullptr: u is written
   const int32_t* cu_seqlens;     // [N + 1]
   const int32_t* chunk_indices;  // [chunks, 2]: (sequence, chunk in sequence)
   // Fused causal conv (conv_weight == nullptr: off).
@@ -48,8 +50,11 @@ struct PrologueArgs {
 };
 
 struct ChunkArgs {
-  const void* qg; const void* w; const void* u; const void* kg_t; const void* aqk;
+  const void* qg; const void* w;
+  Strided u;                     // u [T, H, V], or with akk the raw v (last dim contiguous)
+  const void* kg_t; const void* aqk;
   const float* decay;
+  const void* akk;               // [T, H, C] or nullptr: with it u = akk v per chunk
   void* out;                     // [T, H, V]
   const int32_t* cu_seqlens;     // [N + 1]
   const int32_t* chunk_offsets;  // [N + 1]

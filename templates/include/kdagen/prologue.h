@@ -10,6 +10,8 @@
 //   aqk      scale * q^_i . (k^_j * 2^(G_i - G_j)), j <= i    [T, H, C]
 //   w, u     (I + L)^-1 (b k^ 2^G),  (I + L)^-1 (b v),
 //            L_ij = b_i k^_i . (k^_j * 2^(G_i - G_j)), j < i
+//   akk      (I + L)^-1 Diag(b)  [T, H, C], in place of u with kAkk (the chunk scan then
+//            forms u = akk v from the raw v: v is not read here)
 //
 // exp2(G_i - G_j) is never formed as a ratio. Off-diagonal 16x16 blocks (rows of
 // block bi, columns of block bj < bi) take the first row r of block bi as
@@ -97,7 +99,7 @@ template <DType Mx> constexpr float kDiagSpan = Mx == DType::kBF16 ? 110.0f : 8.
 // far inside bf16's range.
 constexpr float kDiagMmaMaxBound = 8.0f;
 
-template <class Cfg>
+template <class Cfg, bool kAkk = false>
 __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlocks) prologue_kernel(PrologueArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
@@ -422,7 +424,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   const int64_t row_hd = static_cast<int64_t>(H) * D, row_hc = static_cast<int64_t>(H) * C;
   T* const aqk = static_cast<T*>(a.aqk) + t0 * row_hc + h * C;  // [T][H][C]
   T* const wout = static_cast<T*>(a.w) + t0 * row_hd + h * D;   // [T][H][D]
-  T* const uout = static_cast<T*>(a.u) + t0 * row_hd + h * D;
+  T* const uout = static_cast<T*>(a.u) + t0 * row_hd + h * D;  // not with kAkk
+  T* const akk = kAkk ? static_cast<T*>(a.akk) + t0 * row_hc + h * C : nullptr;  // [T][H][C]
   T* const qg = static_cast<T*>(a.qg) + t0 * row_hd + h * D;
   T* const kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;  // [chunks][H][D][C]
   // decay = 2^G_last in fp32 (exp2f: the fp32 output keeps its subnormals)
@@ -692,11 +695,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       }
     }
 
-    // v's rows, loaded now so that they land during the products (used in P6)
+    // v's rows, loaded now so that they land during the products (used in P6; not with akk)
     constexpr int VPER_ROW = D / 8, VITERS = C * VPER_ROW / NT;
     static_assert(C * VPER_ROW % NT == 0, "the chunk's 16-byte pieces spread evenly");
     const T* vbase = chunk_rows(a.v);
-    const bool vplain = plain_band(a.v, vbase);
+    const bool vplain = !kAkk && plain_band(a.v, vbase);
     uint4 vb[VITERS];
     if (vplain) {
 #pragma unroll
@@ -765,7 +768,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         }
       }
 #pragma unroll
-      for (int m = 0; m < ITERS; ++m) {
+      for (int m = 0; m < (kAkk ? 0 : ITERS); ++m) {
         const int e = tid + m * NT, i = e / PER_ROW, c = (e % PER_ROW) * VEC;
         float v8[VEC];
         if (vplain) {
@@ -785,20 +788,28 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       float x[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       if (j / 16 <= i / 16) load8f(Ls + i * LDL + j, x);
       *reinterpret_cast<uint4*>(Ab + i * LDA + j) = pack8<DType::kBF16>(x);
+      if constexpr (kAkk) {  // akk = (I + L)^-1 Diag(b), rounded once
+        if (i < valid) {
+          float y[8];
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) y[jj] = x[jj] * bt[j + jj];
+          store16(akk + i * ld_hc + j, pack8<Io>(y));
+        }
+      }
     }
     __syncthreads();
 
     // ---- P7: w = (I + L)^-1 (b k^ 2^G), u = (I + L)^-1 (b v) ------------------------------
-    // A wave per 16-column slice of w or u: block rows bi take the k-blocks kb <= bi
-    // (unrolled); staged in the Ka / Kb planes (dead), then 16-byte stores.
+    // A wave per 16-column slice of w or u (w alone with akk): block rows bi take the
+    // k-blocks kb <= bi (unrolled); staged in the Ka / Kb planes (dead), then 16-byte stores.
     {
       const uint16_t* Wm = reinterpret_cast<const uint16_t*>(Ks);
       const uint16_t* Vm = reinterpret_cast<const uint16_t*>(Qs);
-      constexpr int SLICES = 2 * (D / 16);
-      static_assert(SLICES % NW == 0, "the w / u column slices spread evenly over the waves");
+      constexpr int SLICES = (kAkk ? 1 : 2) * (D / 16);
 #pragma unroll
-      for (int m = 0; m < SLICES / NW; ++m) {
+      for (int m = 0; m < (SLICES + NW - 1) / NW; ++m) {
         const int sl = wave + m * NW;
+        if (SLICES % NW != 0 && sl >= SLICES) break;
         const bool is_w = sl < D / 16;
         const int dt = is_w ? sl : sl - D / 16;
         const uint16_t* rhs = (is_w ? Wm : Vm) + 16 * dt;
@@ -823,7 +834,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       const int i = r8 + m * RSTEP8;
       if (i < valid) {
         store16(wout + i * ld_hd + c8, *reinterpret_cast<const uint4*>(KA + i * LDK + c8));
-        store16(uout + i * ld_hd + c8, *reinterpret_cast<const uint4*>(KB + i * LDK + c8));
+        if constexpr (!kAkk) store16(uout + i * ld_hd + c8, *reinterpret_cast<const uint4*>(KB + i * LDK + c8));
       }
     }
   } else {
@@ -910,7 +921,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   __syncthreads();
 
   // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w (and v into the q plane) --
-  if constexpr (Lay::kMmaSolve && Lay::kVInQ) stage(Qs, 2, Sync{});
+  if constexpr (Lay::kMmaSolve && Lay::kVInQ && !kAkk) stage(Qs, 2, Sync{});
   for (int e = tid; e < C * (D / 8); e += NT) {  // 8 elements: 16-byte k, two float4 of G
     const int i = e / (D / 8), d = (e % (D / 8)) * 8;
     float k8[8];
@@ -959,7 +970,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     invert_unit_lower();
     for (int e = tid; e < C * C; e += NT) {  // bf16 copy, zero above the diagonal blocks
       const int i = e / C, j = e % C;
-      Ab[i * Lay::LDA + j] = from_float<DType::kBF16>(j / 16 <= i / 16 ? Ls[i * LDL + j] : 0.0f);
+      const float x = j / 16 <= i / 16 ? Ls[i * LDL + j] : 0.0f;
+      Ab[i * Lay::LDA + j] = from_float<DType::kBF16>(x);
+      if constexpr (kAkk) {  // akk = (I + L)^-1 Diag(b)
+        if (i < valid) akk[i * ld_hc + j] = from_float<Io>(x * bt[j]);
+      }
     }
     __syncthreads();
     // 2 x (C / 16) x (D / 16) output tiles over the waves: w from the k plane, u from
@@ -990,7 +1005,9 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         });
       }
     };
-    if constexpr (Lay::kVInQ) {
+    if constexpr (kAkk) {
+      solve_tiles(0, WTILES);  // u is the chunk scan's (akk v)
+    } else if constexpr (Lay::kVInQ) {
       solve_tiles(0, TILES);
     } else {
       solve_tiles(0, WTILES);
@@ -1002,8 +1019,9 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   } else {
   // ---- phase 6 (otherwise): forward substitution, one thread per output column ----------
   // By 16-row blocks: the rows of a block first take every earlier block's terms as 16
-  // independent accumulations (float4 reads of L), then solve inside the block.
-  for (int col = tid; col < 2 * D; col += NT) {
+  // independent accumulations (float4 reads of L), then solve inside the block. With akk
+  // the right-hand sides past w are b_d e_d: the columns of (I + L)^-1 Diag(b).
+  for (int col = tid; col < D + (kAkk ? C : D); col += NT) {
     const bool is_w = col < D;
     const int d = is_w ? col : col - D;
     float y[C];
@@ -1014,7 +1032,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       for (int r = 0; r < 16; ++r) {
         const int i = 16 * b + r;
         acc[r] = 0.0f;
-        if (i < valid) acc[r] = is_w ? to_float<Io>(Ks[i * LDK + d]) : bt[i] * input(2, i, d);
+        if (i < valid) {
+          if (is_w) acc[r] = to_float<Io>(Ks[i * LDK + d]);
+          else if constexpr (kAkk) acc[r] = i == d ? bt[i] : 0.0f;
+          else acc[r] = bt[i] * input(2, i, d);
+        }
       }
 #pragma unroll
       for (int j = 0; j < 16 * b; j += 4) {
@@ -1033,10 +1055,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         y[16 * b + r] = x;
       }
     }
-    T* dst = is_w ? wout : uout;
+    T* dst = is_w ? wout : (kAkk ? akk : uout);
+    const int ld = is_w || !kAkk ? ld_hd : ld_hc;
 #pragma unroll
     for (int i = 0; i < C; ++i)
-      if (i < valid) dst[i * ld_hd + d] = from_float<Io>(y[i]);
+      if (i < valid) dst[i * ld + d] = from_float<Io>(y[i]);
   }
   }  // kMmaSolve
   }  // kPlanar

@@ -150,6 +150,9 @@ __device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
   return b;
 }
 
+// A[row][k] at p[k * ld + row] (stored transposed): the lane's four k are four rows.
+__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) { return load_b_smem_kn(p, ld); }
+
 // B operand element (k, n) times s[k] (fp32, one rounding): this lane's k are 4q .. 4q + 3.
 template <DType T> __device__ __forceinline__ void scale_k(Frag& b, const float* s) {
   const float4 f = *reinterpret_cast<const float4*>(s + 4 * (lane_id() >> 4));

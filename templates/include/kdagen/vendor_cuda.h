@@ -10,6 +10,7 @@
 //   load_a2(f2) / load_b2(f2)  the same, f2 giving two neighbouring k as a float2
 //   load_a_smem / load_b_smem  the same operands read straight from 16-bit LDS
 //   load_b_smem_kn  B[k][n] from 16-bit LDS stored with n contiguous (k along rows)
+//   load_a_smem_t   A[row][k] from 16-bit LDS stored transposed, p[k * ld + row]
 //   scale_k(frag, s)  every element of a B operand times s[k] (fp32, one rounding)
 //   store_tile(acc, p, ld)  the accumulator rounded to 16 bits into LDS, p[row * ld + col]
 //   neg(frag)  the operand negated
@@ -190,6 +191,16 @@ __device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
   }
   return b;
 }
+__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  Frag a;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // register i: row g + 8 (i & 1), k 2t + 8 (i >> 1)
+    const uint16_t* c = p + (2 * t + 8 * (i >> 1)) * ld + g + 8 * (i & 1);
+    a.r[i] = two16(c, c + ld);
+  }
+  return a;
+}
 #else
 template <bool kTrans> __device__ __forceinline__ Frag ldmatrix_x4(const uint16_t* row) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(row));
@@ -265,6 +276,11 @@ template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t
                ::"r"(s), "r"(pack2<T>(c.v[0], c.v[1])), "r"(pack2<T>(c.v[2], c.v[3])),
                "r"(pack2<T>(c.v[4], c.v[5])), "r"(pack2<T>(c.v[6], c.v[7]))
                : "memory");
+}
+// The A operand A[row][k] = p[k * ld + row]: the same transposed load, its registers
+// already in the A layout (register i: rows 8 (i & 1), k 8 (i >> 1)).
+__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) {
+  return ldmatrix_x4<true>(tile_t_row(p, ld));
 }
 template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
   const Frag f = ldmatrix_x4<true>(tile_t_row(p, ld));
