@@ -131,6 +131,12 @@ class ChunkPlan:
 CHUNK_WGMMA = False
 
 
+# Where the walk that forms u = akk v from v adds u^T into v_new^T's accumulators
+# (mma.sync walk): 0 first (they start from it), 1 after the (-S^T) w^T products, 2 in
+# accumulators of its own, added at the end (a chain beside the (-S^T) w^T one).
+CHUNK_U_FORM = 0
+
+
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:
     """Whether the chunk scan issues its products per warpgroup: where the target has them,
     for blocks of whole 64-row warpgroups and a head dimension the generated shapes cover

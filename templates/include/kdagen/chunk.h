@@ -335,34 +335,44 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
         }
       }
     }
-    if constexpr (kAkk) {
-      // u^T = v^T akk^T: A = v^T (this wave's 16 rows of v, transposed out of the v tile),
-      // B = akk^T, lower triangular by blocks (cj <= ct)
-      if (!transfer) {
+    // u^T = v^T akk^T (kAkk): A = v^T (this wave's 16 rows of v, transposed out of the v
+    // tile), B = akk^T, lower triangular by blocks (cj <= ct), accumulated into acc.
+    auto u_from_v = [&](mma::Acc (&acc)[CT]) {
 #pragma unroll
-        for (int cj = 0; cj < CT; ++cj) {
-          mma::Frag vt;
-          if constexpr (Cfg::kStageUO) {
-            vt = mma::load_a_smem_t(Us + (16 * cj) * Lay::LDU + 16 * wave, Lay::LDU);
+      for (int cj = 0; cj < CT; ++cj) {
+        mma::Frag vt;
+        if constexpr (Cfg::kStageUO) {
+          vt = mma::load_a_smem_t(Us + (16 * cj) * Lay::LDU + 16 * wave, Lay::LDU);
+        } else {
+          vt = mma::load_a<Io>([&](int r, int k) {
+            const int i = 16 * cj + k;
+            return i < valid ? to_float<Io>(u[(t0 + i) * u_row + h * u_head + row0 + r]) : 0.0f;
+          });
+        }
+#pragma unroll
+        for (int ct = cj; ct < CT; ++ct) {
+          if constexpr (Lay::kAkkTile) {
+            mma::mma<Io>(acc[ct], vt, mma::load_b_smem(Ak + (16 * ct) * LDC + 16 * cj, LDC));
           } else {
-            vt = mma::load_a<Io>([&](int r, int k) {
-              const int i = 16 * cj + k;
-              return i < valid ? to_float<Io>(u[(t0 + i) * u_row + h * u_head + row0 + r]) : 0.0f;
-            });
-          }
-#pragma unroll
-          for (int ct = cj; ct < CT; ++ct) {
-            if constexpr (Lay::kAkkTile) {
-              mma::mma<Io>(vn[ct], vt, mma::load_b_smem(Ak + (16 * ct) * LDC + 16 * cj, LDC));
-            } else {
-              mma::mma<Io>(vn[ct], vt, mma::load_b<Io>([&](int nn, int k) {
-                const int i = 16 * ct + nn;
-                return i < valid ? to_float<Io>(akk[(t0 + i) * row_hc + h * C + 16 * cj + k]) : 0.0f;
-              }));
-            }
+            mma::mma<Io>(acc[ct], vt, mma::load_b<Io>([&](int nn, int k) {
+              const int i = 16 * ct + nn;
+              return i < valid ? to_float<Io>(akk[(t0 + i) * row_hc + h * C + 16 * cj + k]) : 0.0f;
+            }));
           }
         }
       }
+    };
+    // Where u^T joins v_new^T's accumulation (Cfg::kChunkUForm; the warpgroup walk starts
+    // from it): 0 first, 1 after (-S^T) w^T, 2 in accumulators of its own (a chain beside
+    // the (-S^T) w^T one), added at the end.
+    constexpr int UF = kAkk ? (kWg ? 0 : Cfg::kChunkUForm) : -1;
+    mma::Acc ua[UF == 2 ? CT : 1];
+    if constexpr (UF == 0) {
+      if (!transfer) u_from_v(vn);
+    } else if constexpr (UF == 2) {
+#pragma unroll
+      for (int ct = 0; ct < CT; ++ct) mma::zero(ua[ct]);
+      if (!transfer) u_from_v(ua);
     }
     // o's column tile ci into this wave's columns of the u / o tile (after every lane of
     // the wave has read its u there), then the wave's 16 columns of o out, a 32-byte row
@@ -458,6 +468,12 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
           if constexpr (kMode != kWalkPassOne)
             mma::mma<Io>(o[ct], s, mma::load_b_smem(Qs + (16 * ct) * LDW + 16 * kt, LDW));
         }
+      }
+      if constexpr (UF == 1) {
+        if (!transfer) u_from_v(vn);
+      } else if constexpr (UF == 2) {
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct) mma::add(vn[ct], ua[ct]);
       }
       mma::Frag va[CT];
 #pragma unroll

@@ -83,6 +83,8 @@ struct Frag { i16x4 x; };
 
 __device__ __forceinline__ void zero(Acc& c) { c.v = f32x4{0.0f, 0.0f, 0.0f, 0.0f}; }
 
+__device__ __forceinline__ void add(Acc& d, const Acc& s) { d.v += s.v; }
+
 template <class F> __device__ __forceinline__ void for_each(Acc& c, F&& f) {
   const int r = lane_id() & 15, q = lane_id() >> 4;
 #pragma unroll

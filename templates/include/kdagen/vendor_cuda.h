@@ -6,6 +6,7 @@
 //   load_b(f)  B operand, f(n, k)   gives B[k][n]   (k runs along memory rows)
 //   to_a(acc)  reuse an accumulator (row, col) as an A operand (row, k = col)
 //   mma(d,a,b) d += a * b
+//   add(d, s)  d += s (accumulators)
 //   for_each(acc, f) visits this lane's (row, col, value&)
 //   load_a2(f2) / load_b2(f2)  the same, f2 giving two neighbouring k as a float2
 //   load_a_smem / load_b_smem  the same operands read straight from 16-bit LDS
@@ -96,6 +97,12 @@ template <DType T> __device__ __forceinline__ uint32_t pack2(float lo, float hi)
 __device__ __forceinline__ void zero(Acc& c) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) c.v[i] = 0.0f;
+}
+
+// d += s, element by element.
+__device__ __forceinline__ void add(Acc& d, const Acc& s) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) d.v[i] += s.v[i];
 }
 
 // v[4h + e]: row g + 8 * (e >> 1), col 8h + 2t + (e & 1).
