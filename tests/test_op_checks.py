@@ -1338,3 +1338,93 @@ def test_fuzz_chunk_malformed_structure_never_reaches_kernel(data, lens, H, mode
 def test_fuzz_chunk_malformed_values_never_reach_kernel(data, lens, H, mode, ckpt, with_co,
                                                         int64):
     _fuzz_chunk("value", data, lens, H, mode, ckpt, with_co, int64)
+
+
+# ---- u formed in the chunk scan (defer_u / akk) ---------------------------------------------
+
+
+def test_prologue_defer_u_returns_akk_in_place_of_u(gpu):
+    kern, fake = make_kernels()
+    ws = run_ok(kern.fused_kda_prologue, fake, {**pro_args(), "defer_u": True})
+    assert "u" not in ws and tuple(ws["akk"].shape) == (1, T, PH, C) and ws["akk"].dtype == BF
+    call = fake.calls[0]
+    assert call[9] is None and call[-1] is ws["akk"]  # u slot empty, akk last
+
+
+def test_prologue_defer_u_refused_with_the_fused_conv(gpu):
+    kern, fake = make_kernels(conv_width=CONV_W)
+    run_bad(kern.fused_kda_prologue, fake, conv_args(),
+            Bad("defer-conv", put_value("defer_u", True), ValueError, "defer_u"))
+
+
+def akk_args(**extra) -> dict:
+    a = chunk_args(**extra)
+    a["u"] = nc_rows(a["u"])  # the raw v: strided rows (head stride D + 8) are fine
+    a["akk"] = rnd(1, T, PH, C, g=_gen(6))
+    return a
+
+
+def test_chunk_with_akk_takes_a_strided_v(gpu):
+    kern, fake = make_kernels()
+    a = akk_args()
+    run_ok(kern.fused_kda_chunk, fake, a)
+    call = fake.calls[0]
+    assert call[2] is a["u"] and call[-1] is a["akk"]
+
+
+def _odd_token_stride(t: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(1, T, PH * D + 4, dtype=t.dtype)
+    v = buf[..., :PH * D].unflatten(-1, (PH, D))
+    v.copy_(t)
+    return v
+
+
+AKK_BAD: list[Bad] = [
+    Bad("v-misaligned", put("u", misaligned), ValueError, "u"),
+    Bad("v-token-stride", put("u", _odd_token_stride), ValueError, "u"),
+    Bad("v-strided-last", put("u", nc_last), ValueError, "u"),
+    Bad("akk-shape", put("akk", lambda t: resized(t, 3)), ValueError, "akk"),
+    Bad("akk-dtype", put("akk", lambda t: t.float()), TypeError, "akk"),
+    Bad("akk-noncontiguous", put("akk", nc_rows), ValueError, "akk"),
+]
+
+
+@pytest.mark.parametrize("case", params(AKK_BAD))
+def test_chunk_with_akk_rejects(gpu, case):
+    kern, fake = make_kernels()
+    run_bad(kern.fused_kda_chunk, fake, akk_args(), case)
+
+
+def test_rows16_ok_says_when_the_scan_can_read_v():
+    from kdagen.checks import rows16_ok
+
+    v = rnd(1, T, PH, D)
+    assert rows16_ok(v) and rows16_ok(nc_rows(v))
+    assert not rows16_ok(misaligned(v)) and not rows16_ok(_odd_token_stride(v))
+    assert not rows16_ok(nc_last(v)) and not rows16_ok(v.float())
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_prefill_forms_u_in_the_scan_where_v_allows(gpu, aligned):
+    """Kernels.prefill: defer_u (the prologue gets no u, the scan akk and the raw v) where
+    v's rows are 16-byte pieces; else the contract's path (u written, out aliasing it)."""
+    kern, fake = make_kernels()
+    a = pro_args()
+    if not aligned:
+        a["v"] = _odd_token_stride(a["v"])
+    o, fin = kern.prefill(**a)
+    assert len(fake.calls) == 2 and fin is None
+    pro, scan = fake.calls
+    if aligned:
+        assert pro[9] is None and pro[-1] is not None  # akk in place of u
+        assert scan[2] is a["v"] and scan[-1] is pro[-1] and o is scan[6]
+    else:
+        assert pro[9] is not None and pro[-1] is None
+        assert scan[2] is pro[9] and scan[6] is pro[9] and scan[-1] is None
+
+
+def test_scan_forms_u_where_u_and_o_are_staged():
+    assert make_kernels(target="sm_90")[0].scan_forms_u
+    assert make_kernels(target="gfx90a", chunk_size=32)[0].scan_forms_u
+    # CDNA at d128 / c64: u / o per element (no LDS for the tiles): the prologue forms u
+    assert not make_kernels(target="gfx90a", head_dim=128, chunk_size=64)[0].scan_forms_u
