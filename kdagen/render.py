@@ -124,7 +124,7 @@ def render(spec: KernelSpec) -> Rendered:
             prologue_bytes, t.cu_smem, t.block_smem_reserve,
             resources.prologue_threads(spec.chunk_size)),
         chunk=chunk_plan_for(spec),
-        chunk_u_form=resources.CHUNK_U_FORM,
+        chunk_u_apart=resources.CHUNK_U_APART,
         pad16=resources.PAD_16BIT,
         pad32=resources.PAD_FP32,
         recurrent_rows=resources.RECURRENT_ROWS_PER_BLOCK,

@@ -131,10 +131,13 @@ class ChunkPlan:
 CHUNK_WGMMA = False
 
 
-# Where the walk that forms u = akk v from v adds u^T into v_new^T's accumulators
-# (mma.sync walk): 0 first (they start from it), 1 after the (-S^T) w^T products, 2 in
-# accumulators of its own, added at the end (a chain beside the (-S^T) w^T one).
-CHUNK_U_FORM = 0
+# The walk that forms u = akk v (mma.sync): u^T in accumulators of its own, a chain of
+# products beside the (-S^T) w^T one, added at the end (True), or v_new^T's accumulators
+# start from it (False). H200, c16, lower bound (docs/NOTES.md v15): the single walk the
+# same (0.536 / 0.538 ms at 8x4096x32), the grouped 1x32768x32 pass one 0.703 against
+# 0.725, pass two 0.643 against 0.663 ms. (u^T added after the (-S^T) w^T products
+# spilled 20 bytes at c16: not timed.)
+CHUNK_U_APART = True
 
 
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:

@@ -301,7 +301,8 @@ def test_recurrent(target, io, dtype, tol):
 LATE = r"""
 import torch, sys
 from kdagen.emulate import emulated
-from kdagen import reference as ref
+from kdagen import reference as ref, resources
+resources.CHUNK_U_APART = sys.argv[1] == "1"
 from kdagen.testing import conv_prologue_reference, make_inputs, rel_err
 kern = emulated(dict(head_dim=64, chunk_size=32, block_width=32, target="sm_90"))
 x = make_inputs([1, 31, 32, 33, 165], 2, 64, device="cpu", seed=9)  # a walk of 6 chunks
@@ -323,13 +324,15 @@ print(*errs)
 
 
 @needs_clang
-def test_copies_landing_as_late_as_cp_async_allows(emulate_cache):
+@pytest.mark.parametrize("apart", [True, False])
+def test_copies_landing_as_late_as_cp_async_allows(emulate_cache, apart):
     """cp.async groups land only at the wait that must have landed them: a miscounted
     wait_group in the double-buffered scan would read NaN or the previous chunk (single
-    walk and chunk groups, whose walks start past chunk 0)."""
+    walk and chunk groups, whose walks start past chunk 0), both forms of the walk's u =
+    akk v (resources.CHUNK_U_APART) among them."""
     env = dict(os.environ, KDAGEN_EMULATE_LATE_COPIES="1", KDAGEN_CACHE_DIR=str(emulate_cache))
-    r = subprocess.run([sys.executable, "-c", LATE], capture_output=True, text=True, env=env,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", LATE, "1" if apart else "0"], capture_output=True,
+                       text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     errs = list(map(float, r.stdout.split()))
     assert len(errs) == 8 and max(errs) < TOL, errs

@@ -143,7 +143,7 @@ def test_default_constexprs():
         "kChunkMinBlocks": "1",  # the c64 walk keeps its 255 registers
         "kStageUO": "true",
         "kChunkWgmma": "false",  # resources.CHUNK_WGMMA: per-wave mma.sync (measured faster)
-        "kChunkUForm": "0",  # resources.CHUNK_U_FORM: u^T first in v_new^T's accumulators
+        "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),

@@ -362,17 +362,16 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
         }
       }
     };
-    // Where u^T joins v_new^T's accumulation (Cfg::kChunkUForm; the warpgroup walk starts
-    // from it): 0 first, 1 after (-S^T) w^T, 2 in accumulators of its own (a chain beside
-    // the (-S^T) w^T one), added at the end.
-    constexpr int UF = kAkk ? (kWg ? 0 : Cfg::kChunkUForm) : -1;
-    mma::Acc ua[UF == 2 ? CT : 1];
-    if constexpr (UF == 0) {
-      if (!transfer) u_from_v(vn);
-    } else if constexpr (UF == 2) {
+    // Cfg::kChunkUApart: u^T in accumulators of its own, a chain beside the (-S^T) w^T
+    // one, added at the end; else (and in the warpgroup walk) v_new^T starts from it.
+    constexpr bool kApart = kAkk && !kWg && Cfg::kChunkUApart;
+    mma::Acc ua[kApart ? CT : 1];
+    if constexpr (kApart) {
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) mma::zero(ua[ct]);
       if (!transfer) u_from_v(ua);
+    } else if constexpr (kAkk) {
+      if (!transfer) u_from_v(vn);
     }
     // o's column tile ci into this wave's columns of the u / o tile (after every lane of
     // the wave has read its u there), then the wave's 16 columns of o out, a 32-byte row
@@ -469,9 +468,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
             mma::mma<Io>(o[ct], s, mma::load_b_smem(Qs + (16 * ct) * LDW + 16 * kt, LDW));
         }
       }
-      if constexpr (UF == 1) {
-        if (!transfer) u_from_v(vn);
-      } else if constexpr (UF == 2) {
+      if constexpr (kApart) {
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) mma::add(vn[ct], ua[ct]);
       }
