@@ -1,6 +1,7 @@
 """Run every op once on small varlen inputs with partial chunks, for compute-sanitizer
 (memcheck, racecheck, synccheck): recurrent, prologue (with and without the fused conv),
-chunk with 1 and 4 groups, paged cache, checkpoints; the lower-bounded gate's prologue
+chunk with 1 and 4 groups, paged cache, checkpoints; the deferred form (the prologue's akk,
+the scan forming u from a strided v) at c64 and c16; the lower-bounded gate's prologue
 (diagonal blocks on the matrix units) and chunk with 1 and 3 groups."""
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def main() -> None:
                             conv_weight=torch.randn(3 * H * 128, 4, device="cuda"), conv_state=state,
                             conv_state_indices=torch.tensor([0, 2, -1, 4, 5], dtype=torch.int32, device="cuda"),
                             conv_has_initial_state=torch.tensor([1, 0, 1, 1, 1], dtype=torch.bool, device="cuda"))
+    # u formed in the scan (defer_u / akk), from a strided v, at c64 and at c16
+    c16 = kdagen.load({"head_dim": 128, "chunk_size": 16, "gate": "lower_bound", "target": t})
+    vbuf = torch.randn(1, x.v.shape[1], H, 136, dtype=x.v.dtype, device="cuda")
+    v = vbuf[..., :128]
+    v.copy_(x.v)
+    for k, lbd in ((kern, None), (c16, -5.0)):
+        d = k.fused_kda_prologue(*x.args(), None, lbd, x.cu_seqlens, defer_u=True)
+        for groups in (1, 4):
+            k.fused_kda_chunk(d["qg"], d["w"], v, d["kg_t"], d["aqk"], d["decay"],
+                              torch.empty_like(d["w"]), None, x.cu_seqlens, None, True,
+                              groups=groups, akk=d["akk"])
     # the lower-bounded gate: diagonal blocks on the matrix units
     lb = kdagen.load({"head_dim": 128, "gate": "lower_bound", "target": t})
     z = make_inputs([1, 63, 64, 65, 300], H, 128, gate="lower_bound", seed=2)

@@ -44,6 +44,12 @@ def test_opcheck_every_op():
     chunk_args = (*(p[k] for k in OPS), e(1, T, H, 128), x.cu_seqlens, co, 0.1, None, fin, None, 1,
                   None, None, None, None, None, None)
     torch.library.opcheck(getattr(torch.ops.kdagen, f"{name}_chunk").default, chunk_args)
+    # the deferred form: the prologue writes akk in place of u, the scan forms u from v
+    deferred = (*pro_args[:9], None, *pro_args[10:], e(1, T, H, 64))
+    torch.library.opcheck(getattr(torch.ops.kdagen, f"{name}_prologue").default, deferred)
+    d = kern.fused_kda_prologue(*x.args(), None, -5.0, x.cu_seqlens, defer_u=True)
+    chunk_akk = (d["qg"], d["w"], x.v, d["kg_t"], d["aqk"], d["decay"], *chunk_args[6:], d["akk"])
+    torch.library.opcheck(getattr(torch.ops.kdagen, f"{name}_chunk").default, chunk_akk)
     cache = torch.randn(4, H, 128, 128, device=DEV)
     idx = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
     y = make_inputs([1, 1], H, 128, gate="lower_bound", seed=2)
