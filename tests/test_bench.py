@@ -25,6 +25,10 @@ def test_table_names_each_rows_chunk_size():
     assert header.split("|")[3].strip() == "chunk" and line.split("|")[3].strip() == "16"
     assert header.count("|") == line.count("|") == sep.count("|")
     assert "2.47x" in line and "tuned by `kdagen tune --chunk-sizes`" in text
+    cols = [c.strip() for c in header.split("|")]
+    assert line.split("|")[cols.index("graph ms")].strip() == "n/a"  # no CUDA-graph time
+    row.graph_ms = 1.234
+    assert bench.table([row], meta).splitlines()[-1].split("|")[cols.index("graph ms")].strip() == "1.234"
 
 
 def test_results_are_rewritten_whole_after_each_row(tmp_path):
