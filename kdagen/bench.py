@@ -121,8 +121,6 @@ def graph_ms(kern, sets: list, inits: list, lower_bound: float | None, reps: int
     except RuntimeError as e:
         print(f"kdagen bench: no CUDA-graph time ({type(e).__name__}: {e})"[:300], flush=True)
         return None
-    finally:
-        del graphs
 
 
 def ceilings() -> tuple[float, float]:

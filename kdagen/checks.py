@@ -65,28 +65,36 @@ def tensor(
     return t
 
 
+def _rows16_problem(t: torch.Tensor, check_address: bool) -> str | None:
+    """Why a kernel may not copy the rows of ``t [1, T, H, D]`` as 16-byte pieces (None:
+    it may): the data and its token / head strides 16-byte aligned, and a chunk's row
+    offsets inside 32 bits."""
+    step = 16 // t.element_size()
+    if check_address and t.numel() > 0 and t.data_ptr() % 16 != 0:
+        return "must start on a 16-byte boundary"
+    if t.stride(1) % step != 0 or t.stride(2) % step != 0:
+        return (f"must have token / head strides that are multiples of {step} elements, got "
+                f"strides {t.stride()}")
+    if t.stride(1) * 64 >= 2 ** 31:
+        return (f"has a token stride of {t.stride(1)} elements, too large for the kernels' 32-bit "
+                "offsets inside a chunk")
+    return None
+
+
 def rows16_ok(t: torch.Tensor) -> bool:
-    """Whether a kernel may copy the rows of ``t [1, T, H, D]`` (16-bit) as 16-byte pieces
-    (what :func:`rows16` checks); False while tracing, where the address is unknown."""
+    """Whether a kernel may copy the rows of ``t [1, T, H, D]`` (16-bit, last dim
+    contiguous) as 16-byte pieces; False while tracing, where the address is unknown."""
     if tracing() or t.dim() != 4 or t.element_size() != 2 or (t.size(-1) > 1 and t.stride(-1) != 1):
         return False
-    step = 16 // t.element_size()
-    return (t.data_ptr() % 16 == 0 and t.stride(1) % step == 0 and t.stride(2) % step == 0
-            and t.stride(1) * 64 < 2 ** 31)
+    return _rows16_problem(t, check_address=True) is None
 
 
 def rows16(op: str, name: str, t: torch.Tensor, why: str) -> None:
-    """Rows of ``t [1, T, H, D]`` that a kernel copies as 16-byte pieces: the data and its
-    token / head strides 16-byte aligned, and a chunk's row offsets inside 32 bits."""
-    step = 16 // t.element_size()
-    if not tracing() and t.numel() > 0 and t.data_ptr() % 16 != 0:
-        _fail(op, name, f"must start on a 16-byte boundary {why}")
-    if t.stride(1) % step != 0 or t.stride(2) % step != 0:
-        _fail(op, name, f"must have token / head strides that are multiples of {step} elements "
-                        f"{why}, got strides {t.stride()}")
-    if t.stride(1) * 64 >= 2 ** 31:
-        _fail(op, name, f"has a token stride of {t.stride(1)} elements, too large for the "
-                        "kernels' 32-bit offsets inside a chunk")
+    """Refuse ``t [1, T, H, D]`` unless a kernel may copy its rows as 16-byte pieces (the
+    address is not checked while tracing)."""
+    problem = _rows16_problem(t, check_address=not tracing())
+    if problem is not None:
+        _fail(op, name, f"{problem} {why}")
 
 
 def optional(op: str, name: str, t: object, **kw: object) -> torch.Tensor | None:

@@ -304,13 +304,12 @@ class Kernels:
             N = cu_seqlens.num_seqs if isinstance(cu_seqlens, seqlens.SeqLens) else cu_seqlens.numel() - 1
             walk = scan(N, p["kg_t"].shape[0] // max(N, 1))
         if defer:
-            out = _empty(*p["w"].shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
-            return walk.fused_kda_chunk(p["qg"], p["w"], v, p["kg_t"], p["aqk"], p["decay"], out,
-                                        scale, cu_seqlens, initial_state, output_final_state,
-                                        groups=groups, akk=p["akk"])
-        # the scan reads each chunk's u before it writes that chunk's output: o may take u's place
-        return walk.fused_kda_chunk(p["qg"], p["w"], p["u"], p["kg_t"], p["aqk"], p["decay"], p["u"],
-                                    scale, cu_seqlens, initial_state, output_final_state, groups=groups)
+            u, out = v, _empty(*p["w"].shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
+        else:  # the scan reads each chunk's u before it writes that chunk's output: o takes u's place
+            u = out = p["u"]
+        return walk.fused_kda_chunk(p["qg"], p["w"], u, p["kg_t"], p["aqk"], p["decay"], out, scale,
+                                    cu_seqlens, initial_state, output_final_state, groups=groups,
+                                    akk=p.get("akk"))
 
     # ---- prefill: chunk scan ---------------------------------------------------------------
 
