@@ -306,7 +306,7 @@ def main(ns: argparse.Namespace) -> int:
     gates = tuple(g.strip() for g in (ns.gates or "lower_bound,softplus").split(","))
     rows, meta = run(parse_shapes(ns.shapes or DEFAULT_SHAPES), ns.reps, gates,
                      getattr(ns, "chunk_size", "auto"),
-                     on_row=lambda rs, m: write_results(rs, m, ns.markdown, ns.json))  # (plot at the end)
+                     on_row=lambda rs, m: write_results(rs, m, ns.markdown, ns.json, ns.plot))
     print()
     print(table(rows, meta))
     write_results(rows, meta, ns.markdown, ns.json, ns.plot)

@@ -2,8 +2,9 @@
 caller-owned fp32 workspace.
 
 The walk is serial in chunks; with few sequences x heads most of the GPU idles.
-Pass one runs ``2 * D / BV`` blocks per (sequence, head, group) (state rows plus
-transfer rows) for every group but the last, pass two ``D / BV`` for all. A group
+Pass one runs ``D / BV`` blocks per (sequence, head) for group 0 (the single walk over
+its chunks, with outputs) and ``2 * D / BV`` (state rows plus transfer rows) for every
+later group but the last; pass two ``D / BV`` for groups 1 .. G - 1. A group
 count pays while a pass's grid still fits one scheduling batch (one block per compute unit), or while the groups stay
 long enough that pass two's shorter walk is worth a second batch of pass one.
 G == 2 only doubles the staging for the same depth, so a split starts at 4.

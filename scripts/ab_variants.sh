@@ -12,13 +12,17 @@
 # (an older commit: `git worktree add` or `git archive` it under build/ and carry it), so
 # a code change can be timed against its parent in the same call; ':' alone sets nothing.
 # Prints one line per variant and shape; the constants must exist in resources.py.
+# KDAGEN_GROUPS (a chunk-group count for every shape) reaches profile_breakdown.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/carried_wheels.sh
 export PYTHONUNBUFFERED=1
 read -r shapes gate chunk width <<< "$1"; shift
 root=/tmp/kdagen-ab
-rm -rf "$root"; mkdir -p "$root"
+# KDAGEN_AB_KEEP=1 keeps the variants built by an earlier invocation of this call (another
+# KDAGEN_GROUPS, other shapes): their build caches are then hits.
+[ -n "${KDAGEN_AB_KEEP:-}" ] || rm -rf "$root"
+mkdir -p "$root"
 for v in "$@"; do
   name=${v%%:*}; sets=${v#*:}; tree=.
   if [[ $name == *@* ]]; then tree=${name#*@}; name=${name%%@*}; fi

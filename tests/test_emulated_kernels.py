@@ -226,7 +226,13 @@ def test_diagonal_blocks_take_both_paths_in_one_chunk(target):
 
 @needs_clang
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
-def test_paged_cache_and_checkpoints(target):
+@pytest.mark.parametrize("groups", [1, 3, 4])
+def test_paged_cache_and_checkpoints(target, groups, monkeypatch):
+    """Paged start / end states and a mid-prefill checkpoint, in the single walk and in
+    the grouped walks (3 groups: the checkpoint in group 0, which pass one walks from the
+    cache row with outputs, and one-chunk sequences that end in group 0; 4 groups: the
+    checkpoint in pass two's group 1)."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
     kern = emulated(head_dim=64, chunk_size=32, target=target)
     C, D, H = 32, 64, 2
     x = make_inputs([C * 3 + 3, C, 5], H, D, device="cpu", seed=21)
@@ -241,7 +247,7 @@ def test_paged_cache_and_checkpoints(target):
     out, fin = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
                                     x.cu_seqlens, None, False, state_cache=cache, state_indices=idx,
                                     has_initial_state=has, checkpoint_state=ck,
-                                    checkpoint_offsets=offs, groups=1)
+                                    checkpoint_offsets=offs, groups=groups)
     assert fin is None
     init = before[idx.long()] * has[:, None, None, None]
     o_ref, s_ref, ck_ref = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens,

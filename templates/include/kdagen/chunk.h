@@ -15,12 +15,14 @@
 // (wg::tile_index) and read once per warpgroup, not once per wave through ldmatrix.
 //
 // Chunk groups (DESIGN 2): the walk is affine, S_{c+1} = M_c S_c + kg_c^T u_c.
-//   pass one  (kMode 1): per group but the last, the zero-start state B_g (rows < V) and
-//             the transfer R_g = A_g^T (rows V..V+K, started from the identity, u = 0).
-//   scan      (group_scan_kernel): S_start(g+1) = S_start(g) R_g + B_g, in fp32.
-//   pass two  (kMode 2): each group walks again from its true start, with outputs.
+//   pass one  group 0 (kMode 3, the lead) walks from the true start state with outputs,
+//             like the single walk, and leaves its end state as group 1's start; every
+//             later group but the last (kMode 1) walks the zero-start state B_g (rows < V)
+//             and the transfer R_g = A_g^T (rows V..V+K, started from the identity, u = 0).
+//   scan      (group_scan_kernel): S_start(g+1) = S_start(g) R_g + B_g, in fp32, g >= 1.
+//   pass two  (kMode 2): groups 1 .. G - 1 walk again from their true start, with outputs.
 // kMode 0 is the single walk. Workspace (fp32, planes of D*D per (group, n*H+h)):
-//   bg [G][N*H][V][K] | rg [G][N*H][K][K] | sin [G][N*H][V][K]
+//   bg [G][N*H][V][K] | rg [G][N*H][K][K] | sin [G][N*H][V][K]   (group 0's planes unused)
 //
 // u from v (kAkk): the prologue may leave u = (I + L)^-1 Diag(b) v unformed and store
 // akk = (I + L)^-1 Diag(b) (C x C per chunk) instead; the walk then reads the raw v rows
@@ -55,7 +57,7 @@ struct ChunkLayout {
   static_assert(!kWg || LDW == D, "warpgroup products read the w and qg tiles as one 2C-row tile");
 };
 
-enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2 };
+enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2, kWalkLead = 3 };
 
 // Rows of a token-major [rows][H][width] tensor -> an LDS tile [rows][ld], zero past
 // `valid`, as 16-byte copies (asynchronous where the hardware has them). The offsets
@@ -133,8 +135,9 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
   return nullptr;
 }
 
-template <class Cfg, int kMode, bool kAkk = false>
-__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinBlocks) chunk_kernel(ChunkArgs a) {
+// One block's walk (kMode: kWalk*); chunk_kernel below picks it.
+template <class Cfg, int kMode, bool kAkk>
+__device__ __forceinline__ void walk_chunks(const ChunkArgs& a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   constexpr bool kOutputs = kMode != kWalkPassOne;
@@ -162,10 +165,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
 
   const int H = a.num_heads, h = blockIdx.y;
   // Pass one runs groups 0 .. G - 2 only: the last group's end state and transfer are
-  // never used (the scan needs them for the groups after it).
+  // never used (the scan needs them for the groups after it). Pass two runs 1 .. G - 1:
+  // group 0 (the lead) walked with its outputs in pass one.
   const int G = kMode == kWalkSingle ? 1 : a.num_groups;
-  const int GZ = kMode == kWalkPassOne ? G - 1 : G;  // groups in the grid's z
-  const int n = blockIdx.z / GZ, g = blockIdx.z % GZ;
+  const int GZ = kMode == kWalkSingle ? 1 : G - 1;  // groups in the grid's z
+  const int n = blockIdx.z / GZ, g = blockIdx.z % GZ + (kMode == kWalkPassTwo ? 1 : 0);
   const int wave = wave_id();
   const int row0 = blockIdx.x * BV + 16 * wave;  // this wave's first row (of V, or V + K in pass one)
   const bool transfer = kMode == kWalkPassOne && blockIdx.x * BV >= D;
@@ -182,7 +186,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   // update, and every load and store of a state plane flips the sign once.
   mma::Acc S[KT];
   const float* init = nullptr;
-  if constexpr (kMode == kWalkSingle) init = initial_plane(a, n, h, D);
+  if constexpr (kMode == kWalkSingle || kMode == kWalkLead) init = initial_plane(a, n, h, D);
   if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
@@ -533,7 +537,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   if constexpr (kMode == kWalkPassOne) {
     dst = group_plane<Cfg>(a, transfer ? 1 : 0, g, nh);
     if (transfer) drow = row0 - D;
-  } else if (kMode == kWalkSingle || g == last_group) {
+  } else if constexpr (kMode == kWalkLead) {
+    dst = group_plane<Cfg>(a, 2, 1, nh);  // group 1's start
+  } else if (kMode == kWalkSingle || g == max(last_group, 1)) {
+    // (pass two: group 1 ends the walks that end in group 0, from the lead's end state)
     dst = final_plane(a, n, h, D);
   }
   if (dst != nullptr) {
@@ -543,8 +550,21 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   }
 }
 
-// S_start(0) = the initial state; S_start(g + 1) = S_start(g) R_g + B_g. Writes every
-// group's start state into the sin planes. Block: kScanRows rows of one (n, h).
+// Pass one's blocks of group 0 (z = n * (G - 1)) are the lead; their transfer-row blocks
+// have nothing to do.
+template <class Cfg, int kMode, bool kAkk = false>
+__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinBlocks) chunk_kernel(ChunkArgs a) {
+  if constexpr (kMode == kWalkPassOne) {
+    if (blockIdx.z % (a.num_groups - 1) != 0) walk_chunks<Cfg, kWalkPassOne, kAkk>(a);
+    else if (blockIdx.x * Cfg::kBlockV < Cfg::kHeadDim) walk_chunks<Cfg, kWalkLead, kAkk>(a);
+  } else {
+    walk_chunks<Cfg, kMode, kAkk>(a);
+  }
+}
+
+// S_start(1) is group 0's end state (the lead walked it from the true start in pass one);
+// S_start(g + 1) = S_start(g) R_g + B_g for g = 1 .. G - 2, into the sin planes.
+// Block: kScanRows rows of one (n, h). Launched for G > 2 only.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs a) {
   constexpr int D = Cfg::kHeadDim, ROWS = Cfg::kScanRows, NT = Cfg::kScanThreads;
@@ -554,22 +574,13 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
   const int h = blockIdx.y, n = blockIdx.z, nh = n * a.num_heads + h;
   const int v0 = blockIdx.x * ROWS;
   const int k = threadIdx.x % D, rsub = threadIdx.x / D;
-  const float* init = initial_plane(a, n, h, D);
   float acc[RPT];
+  const float* s1 = group_plane<Cfg>(a, 2, 1, nh);
 #pragma unroll
-  for (int m = 0; m < RPT; ++m) {
-    const int r = rsub + m * (NT / D);
-    acc[m] = init != nullptr ? init[static_cast<int64_t>(v0 + r) * D + k] : 0.0f;
-  }
-  for (int g = 0; g < a.num_groups; ++g) {
-    float* sin = group_plane<Cfg>(a, 2, g, nh);
+  for (int m = 0; m < RPT; ++m) acc[m] = s1[static_cast<int64_t>(v0 + rsub + m * (NT / D)) * D + k];
+  for (int g = 1; g + 1 < a.num_groups; ++g) {
 #pragma unroll
-    for (int m = 0; m < RPT; ++m) {
-      const int r = rsub + m * (NT / D);
-      sin[static_cast<int64_t>(v0 + r) * D + k] = acc[m];
-      Sx[r][k] = acc[m];
-    }
-    if (g + 1 == a.num_groups) break;
+    for (int m = 0; m < RPT; ++m) Sx[rsub + m * (NT / D)][k] = acc[m];
     __syncthreads();
     const float* R = group_plane<Cfg>(a, 1, g, nh);
     const float* B = group_plane<Cfg>(a, 0, g, nh);
@@ -581,6 +592,9 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
 #pragma unroll
       for (int m = 0; m < RPT; ++m) acc[m] += Sx[rsub + m * (NT / D)][kp] * rv;
     }
+    float* sin = group_plane<Cfg>(a, 2, g + 1, nh);
+#pragma unroll
+    for (int m = 0; m < RPT; ++m) sin[static_cast<int64_t>(v0 + rsub + m * (NT / D)) * D + k] = acc[m];
     __syncthreads();
   }
 }
