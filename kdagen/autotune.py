@@ -1,6 +1,6 @@
 """Measured launch choices: an autotuner with a persistent per-device cache.
 
-``groups.chunk_groups`` guesses the chunk-group count from the grid's shape. The tuner
+``groups.groups_for_spec`` guesses the chunk-group count from the grid's shape. The tuner
 measures instead: for a shape class (sequences x heads, chunks per sequence, both rounded
 down to a power of two) it times the chunk scan for every candidate group count on
 synthetic inputs of that class, and, across variants that differ only in block width
@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .groups import MAX_GROUPS, chunk_groups, num_compute_units
+from .groups import MAX_GROUPS, groups_for_spec, num_compute_units
 from .lock import FileLock
 
 FORMAT = 1
@@ -330,9 +330,7 @@ def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, rep
     out = torch.empty_like(p["w"])
     gen = torch.Generator(device="cpu").manual_seed(0)
     init = (torch.randn(num_seqs, num_heads, spec.head_dim, spec.head_dim, generator=gen) * 0.05).to(dev)
-    bv, D = spec.block_width, spec.head_dim
-    heuristic = chunk_groups(chunks_per_seq, num_seqs, num_heads, num_compute_units(dev),
-                             pass_one_blocks=2 * D // bv, pass_two_blocks=D // bv)
+    heuristic = groups_for_spec(spec, chunks_per_seq, num_seqs, num_heads, num_compute_units(dev))
 
     def run(g: int) -> float:
         return _time_ms(lambda: kern.fused_kda_chunk(

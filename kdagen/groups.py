@@ -2,12 +2,16 @@
 caller-owned fp32 workspace.
 
 The walk is serial in chunks; with few sequences x heads most of the GPU idles.
-Pass one runs ``D / BV`` blocks per (sequence, head) for group 0 (the single walk over
-its chunks, with outputs) and ``2 * D / BV`` (state rows plus transfer rows) for every
-later group but the last; pass two ``D / BV`` for groups 1 .. G - 1. A group
-count pays while a pass's grid still fits one scheduling batch (one block per compute unit), or while the groups stay
-long enough that pass two's shorter walk is worth a second batch of pass one.
+Pass one runs ``2 * D / BV`` blocks per (sequence, head, group) (state rows plus
+transfer rows) for every group but the last, pass two ``D / BV`` for all. A group
+count pays while a pass's grid still fits one scheduling batch (``resident`` walk blocks
+per compute unit, the launch bound's), or while the groups stay long enough that pass
+two's shorter walk is worth a second batch of pass one.
 G == 2 only doubles the staging for the same depth, so a split starts at 4.
+
+Measured on the H200 (c16, two resident walk blocks per SM, CUDA-graph end to end,
+docs/NOTES.md v16): 1x32768x32 takes 2.03 / 1.91 / 1.98 ms at 4 / 8 / 16 groups (this
+rule: 8), 1x131072x8 2.08 / 2.03 ms at 16 / 32 (this rule: 32).
 """
 
 from __future__ import annotations
@@ -31,19 +35,32 @@ def chunk_groups(
     *,
     pass_one_blocks: int,
     pass_two_blocks: int,
+    resident: int = 1,
 ) -> int:
-    """The group count for a batch (1: the single walk)."""
+    """The group count for a batch (1: the single walk); ``resident``: walk blocks the
+    launch bound keeps on one compute unit."""
     forced = os.environ.get("KDAGEN_GROUPS")
     if forced:
         return max(1, int(forced))
     nh = max(num_seqs * num_heads, 1)
-    fill1 = num_cus // (pass_one_blocks * nh)
-    fill2 = num_cus // (pass_two_blocks * nh)
+    slots = num_cus * max(resident, 1)
+    fill1 = slots // (pass_one_blocks * nh)
+    fill2 = slots // (pass_two_blocks * nh)
     cand = fill1
     if fill2 > 0 and chunks_per_seq // fill2 >= DEEP_CHUNKS_PER_GROUP:
         cand = fill2
     cand = min(cand, chunks_per_seq // MIN_CHUNKS_PER_GROUP, MAX_GROUPS)
     return cand if cand >= 4 else 1
+
+
+def groups_for_spec(spec, chunks_per_seq: int, num_seqs: int, num_heads: int, num_cus: int) -> int:
+    """``chunk_groups`` for the chunk scan of ``spec`` (a KernelSpec): its blocks per pass
+    from the block width, its resident blocks from the launch bound of its chunk plan."""
+    from .render import chunk_plan_for
+
+    D, bv = spec.head_dim, spec.block_width
+    return chunk_groups(chunks_per_seq, num_seqs, num_heads, num_cus, pass_one_blocks=2 * D // bv,
+                        pass_two_blocks=D // bv, resident=chunk_plan_for(spec).min_blocks)
 
 
 def workspace_floats(groups: int, nh: int, head_dim: int) -> int:

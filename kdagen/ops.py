@@ -18,7 +18,7 @@ import torch
 from . import checks as ck
 from . import autotune
 from . import seqlens
-from .groups import chunk_groups, group_workspace, num_compute_units
+from .groups import group_workspace, groups_for_spec, num_compute_units
 from .spec import KernelSpec
 
 IO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -98,11 +98,9 @@ class Kernels:
     def _choose_groups(self, chunks_per_seq: int, N: int, H: int, dev: torch.device) -> int:
         """KDAGEN_GROUPS, else a tuned choice from the autotune cache (tuned now with
         KDAGEN_AUTOTUNE=1 if none is recorded), else the heuristic of groups.py."""
-        D, bv = self.spec.head_dim, self.spec.block_width
 
         def heuristic() -> int:
-            return chunk_groups(chunks_per_seq, N, H, num_compute_units(dev),
-                                pass_one_blocks=2 * D // bv, pass_two_blocks=D // bv)
+            return groups_for_spec(self.spec, chunks_per_seq, N, H, num_compute_units(dev))
 
         if os.environ.get("KDAGEN_GROUPS") or ck.tracing():
             return heuristic()

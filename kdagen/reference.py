@@ -472,8 +472,6 @@ def group_scan_reference(
     Scan: ``S_start(0) = initial state``, ``S_start(g+1) = A_g S_start(g) + B_g``
     (the last one is the final state). Pass two: walk each group from its
     start state, producing the outputs. Returns ``(o [1,T,H,V], final_state [N,H,V,K])``.
-    (The kernels walk group 0 from the initial state in pass one, outputs included, and
-    skip its transfer: ``S_start(1) = A_0 S_start(0) + B_0`` is that walk's end state.)
     """
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"groups must be a positive int, got {groups!r}")

@@ -21,7 +21,30 @@ PROLOGUE_THREADS = 256  # per prologue block; 128 at chunk 16 (prologue_threads)
 RECURRENT_ROWS_PER_BLOCK = 16
 RECURRENT_WAVES = 4
 SCAN_THREADS = 256
-SCAN_ROWS = 8  # rows of the group scan per block: 16 blocks per (sequence, head) at D = 128
+# The group scan streams the transfer planes through a ring of SCAN_STAGES LDS tiles of
+# SCAN_TILE_BYTES each (fp32 rows of R), beside its state rows: 40 KB at every head dim,
+# within CDNA's 64 KB of LDS and the 48 KB of static shared memory of NVIDIA's.
+SCAN_STAGES = 4
+SCAN_TILE_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    """The group scan's block: state rows per block, rows of R per ring tile, tiles."""
+
+    rows: int
+    tile: int
+    stages: int
+
+    def shared_bytes(self, head_dim: int) -> int:
+        return 4 * head_dim * (self.stages * self.tile + self.rows)
+
+
+def scan_plan(head_dim: int) -> ScanPlan:
+    """16 state rows per block (8 at D = 256, so its 16 KB of rows stay small), and ring
+    tiles of SCAN_TILE_BYTES: 32 rows of R at D = 64, 16 at 128, 8 at 256."""
+    return ScanPlan(rows=16 if head_dim <= 128 else 8, tile=SCAN_TILE_BYTES // (4 * head_dim),
+                    stages=SCAN_STAGES)
 # Most fp32 state values one lane may hold across the chunk walk.
 MAX_STATE_REGS_PER_LANE = 64
 MAX_THREADS_PER_BLOCK = 1024

@@ -229,9 +229,8 @@ def test_diagonal_blocks_take_both_paths_in_one_chunk(target):
 @pytest.mark.parametrize("groups", [1, 3, 4])
 def test_paged_cache_and_checkpoints(target, groups, monkeypatch):
     """Paged start / end states and a mid-prefill checkpoint, in the single walk and in
-    the grouped walks (3 groups: the checkpoint in group 0, which pass one walks from the
-    cache row with outputs, and one-chunk sequences that end in group 0; 4 groups: the
-    checkpoint in pass two's group 1)."""
+    the grouped walks (3 groups: the checkpoint in group 0, one-chunk sequences that end
+    in group 0; 4 groups: the checkpoint in group 1)."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
     kern = emulated(head_dim=64, chunk_size=32, target=target)
     C, D, H = 32, 64, 2

@@ -36,6 +36,7 @@ import kdagen.ops as kops
 from kdagen.checks import ArgumentError
 from kdagen.groups import MAX_GROUPS, chunk_groups, group_workspace
 from kdagen.ops import Kernels
+from kdagen.render import chunk_plan_for
 from kdagen.spec import KernelSpec
 from kdagen.varlen import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -999,10 +1000,12 @@ def test_chunk_groups_kwarg(gpu):
     assert fake.calls[0][13] == 5 and fake.calls[0][12].numel() == 3 * 5 * N * PH * D * D
 
 
-@pytest.mark.parametrize("bv,want", [(64, 8), (32, 4)])
+@pytest.mark.parametrize("bv,want", [(64, 8), (32, 8)])
 def test_chunk_groups_heuristic_in_wrapper(gpu, bv, want):
     """1 sequence of 64 chunks x 8 heads on 132 CUs; the wrapper passes pass blocks 2*D/BV and
-    D/BV (2 / 1 for BV = 64, 4 / 2 for BV = 32), heads = H and chunks per sequence."""
+    D/BV (2 / 1 for BV = 64, 4 / 2 for BV = 32), heads = H, chunks per sequence and the
+    chunk plan's 2 resident blocks (chunk 16 on sm_90: 264 slots; BV = 32 fills 8 groups of
+    pass one where one resident block would fill 4)."""
     kern, fake = make_kernels(block_width=bv)
     nc, h = 64, 8
     t = nc * C
@@ -1014,7 +1017,8 @@ def test_chunk_groups_heuristic_in_wrapper(gpu, bv, want):
              output_final_state=False)
     run_ok(kern.fused_kda_chunk, fake, a)
     assert want == chunk_groups(nc, 1, h, 132, pass_one_blocks=2 * D // bv,
-                                pass_two_blocks=D // bv)
+                                pass_two_blocks=D // bv,
+                                resident=chunk_plan_for(kern.spec).min_blocks)
     assert fake.calls[0][13] == want
     assert fake.calls[0][12].numel() == 3 * want * h * D * D
 
@@ -1104,6 +1108,27 @@ def test_chunk_groups_short_or_many_heads():
 def test_chunk_groups_long_single_sequence():
     g = _cg(2048, 1, 8)
     assert 4 <= g <= MAX_GROUPS
+
+
+def test_chunk_groups_count_resident_walk_blocks():
+    """Two resident walk blocks per SM (chunk 16 on the H200): the measured best counts
+    (docs/NOTES.md v16) - 8 groups for 1x32768x32, 32 for 1x131072x8; 4 and 16 with one."""
+    two = dict(pass_one_blocks=2, pass_two_blocks=1, resident=2)
+    assert chunk_groups(2048, 1, 32, 132, **two) == 8
+    assert chunk_groups(8192, 1, 8, 132, **two) == 32
+    assert chunk_groups(256, 8, 32, 132, **two) == 1  # 8x4096x32: the single walk
+    assert _cg(2048, 1, 32) == 4 and _cg(8192, 1, 8) == 16
+
+
+def test_groups_for_spec_reads_the_chunk_plan():
+    from kdagen.groups import groups_for_spec
+    from kdagen.spec import KernelSpec
+
+    c16 = KernelSpec.parse(dict(target="sm_90", chunk_size=16, gate="lower_bound"))
+    c64 = KernelSpec.parse(dict(target="sm_90", chunk_size=64))
+    assert chunk_plan_for(c16).min_blocks == 2 and chunk_plan_for(c64).min_blocks == 1
+    assert groups_for_spec(c16, 2048, 1, 32, 132) == 8
+    assert groups_for_spec(c64, 512, 1, 32, 132) == 4
 
 
 def test_chunk_groups_capped():

@@ -151,7 +151,9 @@ def test_default_constexprs():
         "kPrologueThreads": str(resources.PROLOGUE_THREADS),
         "kPrologueMinBlocks": "2",  # 113 KB of LDS: two blocks per SM
         "kScanThreads": str(resources.SCAN_THREADS),
-        "kScanRows": str(resources.SCAN_ROWS),
+        "kScanRows": "16",
+        "kScanTile": "16",  # 8 KB of fp32 R rows at D = 128
+        "kScanStages": str(resources.SCAN_STAGES),
     }
     assert "static constexpr int kHeadDim = 128;" in kernels({})
 
@@ -422,3 +424,15 @@ def test_check_generated_on_a_missing_root(tmp_path):
     assert len(stale) == n
 
 
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_scan_plan_fits_lds_and_tiles_the_block(head_dim):
+    """The group scan's ring and state rows within 40 KB (CDNA: 64 KB of LDS; NVIDIA: 48 KB
+    of static shared memory), its 256 threads tiling the rows and every R tile."""
+    plan = resources.scan_plan(head_dim)
+    assert plan.shared_bytes(head_dim) <= 40 * 1024
+    column_groups = head_dim // 4
+    row_groups = resources.SCAN_THREADS // column_groups
+    assert plan.rows % row_groups == 0 and head_dim % plan.tile == 0
+    assert (plan.tile * head_dim // 4) % resources.SCAN_THREADS == 0 and plan.stages >= 2

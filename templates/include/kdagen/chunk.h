@@ -15,14 +15,12 @@
 // (wg::tile_index) and read once per warpgroup, not once per wave through ldmatrix.
 //
 // Chunk groups (DESIGN 2): the walk is affine, S_{c+1} = M_c S_c + kg_c^T u_c.
-//   pass one  group 0 (kMode 3, the lead) walks from the true start state with outputs,
-//             like the single walk, and leaves its end state as group 1's start; every
-//             later group but the last (kMode 1) walks the zero-start state B_g (rows < V)
-//             and the transfer R_g = A_g^T (rows V..V+K, started from the identity, u = 0).
-//   scan      (group_scan_kernel): S_start(g+1) = S_start(g) R_g + B_g, in fp32, g >= 1.
-//   pass two  (kMode 2): groups 1 .. G - 1 walk again from their true start, with outputs.
+//   pass one  (kMode 1): per group but the last, the zero-start state B_g (rows < V) and
+//             the transfer R_g = A_g^T (rows V..V+K, started from the identity, u = 0).
+//   scan      (group_scan_kernel): S_start(g+1) = S_start(g) R_g + B_g, in fp32.
+//   pass two  (kMode 2): each group walks again from its true start, with outputs.
 // kMode 0 is the single walk. Workspace (fp32, planes of D*D per (group, n*H+h)):
-//   bg [G][N*H][V][K] | rg [G][N*H][K][K] | sin [G][N*H][V][K]   (group 0's planes unused)
+//   bg [G][N*H][V][K] | rg [G][N*H][K][K] | sin [G][N*H][V][K]
 //
 // u from v (kAkk): the prologue may leave u = (I + L)^-1 Diag(b) v unformed and store
 // akk = (I + L)^-1 Diag(b) (C x C per chunk) instead; the walk then reads the raw v rows
@@ -57,7 +55,7 @@ struct ChunkLayout {
   static_assert(!kWg || LDW == D, "warpgroup products read the w and qg tiles as one 2C-row tile");
 };
 
-enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2, kWalkLead = 3 };
+enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2 };
 
 // Rows of a token-major [rows][H][width] tensor -> an LDS tile [rows][ld], zero past
 // `valid`, as 16-byte copies (asynchronous where the hardware has them). The offsets
@@ -135,9 +133,8 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
   return nullptr;
 }
 
-// One block's walk (kMode: kWalk*); chunk_kernel below picks it.
-template <class Cfg, int kMode, bool kAkk>
-__device__ __forceinline__ void walk_chunks(const ChunkArgs& a) {
+template <class Cfg, int kMode, bool kAkk = false>
+__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinBlocks) chunk_kernel(ChunkArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   constexpr bool kOutputs = kMode != kWalkPassOne;
@@ -165,11 +162,10 @@ __device__ __forceinline__ void walk_chunks(const ChunkArgs& a) {
 
   const int H = a.num_heads, h = blockIdx.y;
   // Pass one runs groups 0 .. G - 2 only: the last group's end state and transfer are
-  // never used (the scan needs them for the groups after it). Pass two runs 1 .. G - 1:
-  // group 0 (the lead) walked with its outputs in pass one.
+  // never used (the scan needs them for the groups after it).
   const int G = kMode == kWalkSingle ? 1 : a.num_groups;
-  const int GZ = kMode == kWalkSingle ? 1 : G - 1;  // groups in the grid's z
-  const int n = blockIdx.z / GZ, g = blockIdx.z % GZ + (kMode == kWalkPassTwo ? 1 : 0);
+  const int GZ = kMode == kWalkPassOne ? G - 1 : G;  // groups in the grid's z
+  const int n = blockIdx.z / GZ, g = blockIdx.z % GZ;
   const int wave = wave_id();
   const int row0 = blockIdx.x * BV + 16 * wave;  // this wave's first row (of V, or V + K in pass one)
   const bool transfer = kMode == kWalkPassOne && blockIdx.x * BV >= D;
@@ -186,7 +182,7 @@ __device__ __forceinline__ void walk_chunks(const ChunkArgs& a) {
   // update, and every load and store of a state plane flips the sign once.
   mma::Acc S[KT];
   const float* init = nullptr;
-  if constexpr (kMode == kWalkSingle || kMode == kWalkLead) init = initial_plane(a, n, h, D);
+  if constexpr (kMode == kWalkSingle) init = initial_plane(a, n, h, D);
   if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
@@ -537,10 +533,7 @@ __device__ __forceinline__ void walk_chunks(const ChunkArgs& a) {
   if constexpr (kMode == kWalkPassOne) {
     dst = group_plane<Cfg>(a, transfer ? 1 : 0, g, nh);
     if (transfer) drow = row0 - D;
-  } else if constexpr (kMode == kWalkLead) {
-    dst = group_plane<Cfg>(a, 2, 1, nh);  // group 1's start
-  } else if (kMode == kWalkSingle || g == max(last_group, 1)) {
-    // (pass two: group 1 ends the walks that end in group 0, from the lead's end state)
+  } else if (kMode == kWalkSingle || g == last_group) {
     dst = final_plane(a, n, h, D);
   }
   if (dst != nullptr) {
@@ -550,52 +543,97 @@ __device__ __forceinline__ void walk_chunks(const ChunkArgs& a) {
   }
 }
 
-// Pass one's blocks of group 0 (z = n * (G - 1)) are the lead; their transfer-row blocks
-// have nothing to do.
-template <class Cfg, int kMode, bool kAkk = false>
-__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinBlocks) chunk_kernel(ChunkArgs a) {
-  if constexpr (kMode == kWalkPassOne) {
-    if (blockIdx.z % (a.num_groups - 1) != 0) walk_chunks<Cfg, kWalkPassOne, kAkk>(a);
-    else if (blockIdx.x * Cfg::kBlockV < Cfg::kHeadDim) walk_chunks<Cfg, kWalkLead, kAkk>(a);
-  } else {
-    walk_chunks<Cfg, kMode, kAkk>(a);
-  }
-}
-
-// S_start(1) is group 0's end state (the lead walked it from the true start in pass one);
-// S_start(g + 1) = S_start(g) R_g + B_g for g = 1 .. G - 2, into the sin planes.
-// Block: kScanRows rows of one (n, h). Launched for G > 2 only.
+// S_start(0) = the initial state; S_start(g + 1) = S_start(g) R_g + B_g. Writes every
+// group's start state into the sin planes. Block: kScanRows rows of one (n, h), their
+// running state in LDS (Sx). Only the state chains from group to group: the transfer
+// planes R_g stream through a ring of kScanStages LDS tiles of kScanTile rows each,
+// loaded ahead across the group boundaries (asynchronously where the target can), and
+// B_g's rows are read at the start of their group. Thread (rg, c4) owns columns
+// 4 c4 .. 4 c4 + 3 of rows rg + RG * m: a 16-byte read of R per k and one broadcast read
+// of Sx per row.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs a) {
   constexpr int D = Cfg::kHeadDim, ROWS = Cfg::kScanRows, NT = Cfg::kScanThreads;
-  constexpr int RPT = ROWS * D / NT;  // rows per thread, all in one column
-  static_assert(NT % D == 0 && ROWS % (NT / D) == 0, "scan threads must tile the rows");
-  __shared__ float Sx[ROWS][D];
+  constexpr int KP = Cfg::kScanTile, NS = Cfg::kScanStages;
+  constexpr int CG = D / 4, RG = NT / CG, RPT = ROWS / RG;  // column groups, row groups, rows per thread
+  constexpr int TPG = D / KP, PIECES = KP * D / 4;          // tiles per group, 16-byte pieces per tile
+  static_assert(NT % CG == 0 && ROWS % RG == 0 && D % KP == 0 && PIECES % NT == 0 && NS >= 2,
+                "scan threads must tile the rows and the R tiles");
+  __shared__ __align__(16) float Rs[NS][KP][D];
+  __shared__ __align__(16) float Sx[ROWS][D];
   const int h = blockIdx.y, n = blockIdx.z, nh = n * a.num_heads + h;
   const int v0 = blockIdx.x * ROWS;
-  const int k = threadIdx.x % D, rsub = threadIdx.x / D;
-  float acc[RPT];
-  const float* s1 = group_plane<Cfg>(a, 2, 1, nh);
+  const int tid = threadIdx.x, c4 = tid % CG, rg = tid / CG;
+  const int G = a.num_groups, tiles = (G - 1) * TPG;
+  auto row_of = [&](int m) { return rg + RG * m; };
+  auto plane_row = [&](float* plane, int m) {
+    return reinterpret_cast<float4*>(plane + static_cast<int64_t>(v0 + row_of(m)) * D + 4 * c4);
+  };
+  // tile i: rows (i % TPG) * KP .. + KP - 1 of R_(i / TPG), into slot i % NS
+  auto load_tile = [&](int i) {
+    if (i < tiles) {
+      const float* src = group_plane<Cfg>(a, 1, i / TPG, nh) + (i % TPG) * KP * D;
 #pragma unroll
-  for (int m = 0; m < RPT; ++m) acc[m] = s1[static_cast<int64_t>(v0 + rsub + m * (NT / D)) * D + k];
-  for (int g = 1; g + 1 < a.num_groups; ++g) {
-#pragma unroll
-    for (int m = 0; m < RPT; ++m) Sx[rsub + m * (NT / D)][k] = acc[m];
-    __syncthreads();
-    const float* R = group_plane<Cfg>(a, 1, g, nh);
-    const float* B = group_plane<Cfg>(a, 0, g, nh);
-#pragma unroll
-    for (int m = 0; m < RPT; ++m) acc[m] = B[static_cast<int64_t>(v0 + rsub + m * (NT / D)) * D + k];
-#pragma unroll 8
-    for (int kp = 0; kp < D; ++kp) {  // (unrolled: eight rows of R in flight)
-      const float rv = R[static_cast<int64_t>(kp) * D + k];
-#pragma unroll
-      for (int m = 0; m < RPT; ++m) acc[m] += Sx[rsub + m * (NT / D)][kp] * rv;
+      for (int j = 0; j < PIECES / NT; ++j) {
+        const int e = tid + j * NT;
+        async::copy16(&Rs[i % NS][0][0] + 4 * e, src + 4 * e, true);
+      }
     }
-    float* sin = group_plane<Cfg>(a, 2, g + 1, nh);
+    async::commit();  // (empty past the end: every wait below counts the same)
+  };
 #pragma unroll
-    for (int m = 0; m < RPT; ++m) sin[static_cast<int64_t>(v0 + rsub + m * (NT / D)) * D + k] = acc[m];
-    __syncthreads();
+  for (int i = 0; i < NS - 1; ++i) load_tile(i);
+
+  const float* init = initial_plane(a, n, h, D);  // (the caller's: 4-byte aligned only)
+  float4 acc[RPT];
+#pragma unroll
+  for (int m = 0; m < RPT; ++m) {
+    acc[m] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (init != nullptr) {
+      const float* x = init + static_cast<int64_t>(v0 + row_of(m)) * D + 4 * c4;
+      acc[m] = make_float4(x[0], x[1], x[2], x[3]);
+    }
+  }
+  for (int g = 0;; ++g) {
+#pragma unroll
+    for (int m = 0; m < RPT; ++m) {
+      *plane_row(group_plane<Cfg>(a, 2, g, nh), m) = acc[m];
+      *reinterpret_cast<float4*>(&Sx[row_of(m)][4 * c4]) = acc[m];
+    }
+    if (g + 1 == G) break;
+    float4 b[RPT];  // B_g's rows, in flight during the products
+#pragma unroll
+    for (int m = 0; m < RPT; ++m) {
+      b[m] = *plane_row(group_plane<Cfg>(a, 0, g, nh), m);
+      acc[m] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    for (int q = 0; q < TPG; ++q) {
+      const int i = g * TPG + q;
+      async::wait<NS - 2>();  // this thread's pieces of tile i have landed
+      __syncthreads();        // everyone's have, Sx is written, and slot (i - 1) % NS is free
+      load_tile(i + NS - 1);
+      const float(*R)[D] = Rs[i % NS];
+#pragma unroll
+      for (int kp = 0; kp < KP; ++kp) {
+        const float4 r = *reinterpret_cast<const float4*>(&R[kp][4 * c4]);
+#pragma unroll
+        for (int m = 0; m < RPT; ++m) {
+          const float x = Sx[row_of(m)][q * KP + kp];
+          acc[m].x += x * r.x;
+          acc[m].y += x * r.y;
+          acc[m].z += x * r.z;
+          acc[m].w += x * r.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < RPT; ++m) {
+      acc[m].x += b[m].x;
+      acc[m].y += b[m].y;
+      acc[m].z += b[m].z;
+      acc[m].w += b[m].w;
+    }
+    __syncthreads();  // every read of this group's Sx is done
   }
 }
 
