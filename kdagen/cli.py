@@ -216,7 +216,8 @@ def parser() -> argparse.ArgumentParser:
                "KDAGEN_ARCH (default --arch list), KDAGEN_REBUILD=1 (rebuild), KDAGEN_VERBOSE=1 "
                "(compiler lines), KDAGEN_JOBS (ninja -j), KDAGEN_GROUPS (force a chunk-group "
                "count), KDAGEN_AUTOTUNE=1 (tune unseen shapes on first use; off: ignore the "
-               "autotune cache), KDAGEN_CHECK_VALUES=0 (skip host-side value checks)",
+               "autotune cache), KDAGEN_CHECK_VALUES=0 (skip host-side value checks), "
+               "KDAGEN_BENCH_GRAPH=0 (bench: no CUDA-graph column)",
     )
     p.add_argument("--version", action="version", version=f"kdagen {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
