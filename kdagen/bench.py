@@ -275,10 +275,15 @@ def plot(rows: list[Row], path: str) -> None:
     for ax, gate in zip(axes[0], gates):
         rs = [r for r in rows if r.gate == gate]
         x = range(len(rs))
-        w = 0.27
-        ax.bar([i - w for i in x], [r.kdagen_ms for r in rs], w, label="kdagen")
-        ax.bar(list(x), [r.fla_ms or 0 for r in rs], w, label="FLA chunk_kda")
-        ax.bar([i + w for i in x], [r.floor_ms for r in rs], w, label="floor (roofline)")
+        graph = any(r.graph_ms for r in rs)  # kdagen's device time beside its eager time
+        bars = [("kdagen (eager)", [r.kdagen_ms for r in rs])]
+        if graph:
+            bars.append(("kdagen (CUDA graph)", [r.graph_ms or 0 for r in rs]))
+        bars += [("FLA chunk_kda", [r.fla_ms or 0 for r in rs]),
+                 ("floor (roofline)", [r.floor_ms for r in rs])]
+        w = 0.8 / len(bars)
+        for j, (label, ys) in enumerate(bars):
+            ax.bar([i + (j - (len(bars) - 1) / 2) * w for i in x], ys, w, label=label)
         ax.set_xticks(list(x), [r.shape for r in rs], rotation=20)
         ax.set_ylabel("ms")
         ax.set_title(f"KDA prefill forward, {gate} gate")

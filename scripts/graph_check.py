@@ -16,7 +16,7 @@ import torch
 import kdagen
 from kdagen.bench import graph_ms
 from kdagen.jit import device_target
-from kdagen.testing import make_inputs
+from kdagen.testing import make_inputs, rel_err
 from kdagen.varlen import prepare_chunk_indices
 
 
@@ -69,6 +69,19 @@ def main() -> None:
                          chunk_indices=ci)
             torch.cuda.synchronize()
     if part == "prefill":
+        x, init = sets[0], inits[0]
+        ci = prepare_chunk_indices(x.cu_seqlens, 16)
+        step("one prefill captured, replayed against its eager result")
+        o_e, s_e = kern.prefill(*x.args(), None, lb, x.cu_seqlens, init, True, groups=groups,
+                                chunk_indices=ci)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            o_g, s_g = kern.prefill(*x.args(), None, lb, x.cu_seqlens, init, True, groups=groups,
+                                    chunk_indices=ci)
+        g.replay()
+        torch.cuda.synchronize()
+        err = max(rel_err(o_g, o_e), rel_err(s_g, s_e))
+        print(f"graph_check: replay against eager {err:.2e}", flush=True)
         step("graphs (the bench's graph_ms, its own group choice)")
         print(f"graph_check: graph ms {graph_ms(kern, sets, inits, lb, 5)}", flush=True)
         torch.cuda.synchronize()
