@@ -378,3 +378,22 @@ def test_every_group_count_matches_the_single_walk(target, monkeypatch):
     for g in (2, 3, 4, 10):
         og, sg = run(g)
         assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2, g
+
+
+@needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_group_scan_at_head_dim_128(target, monkeypatch):
+    """The shipped head dim's group scan (16 rows of R per ring tile, two 16-byte pieces
+    per thread, two state rows per thread; four wave64s on CDNA): six groups, so the ring
+    of four tiles wraps several times across group boundaries. Against the single walk,
+    workspace poisoned."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    kern = emulated(head_dim=128, chunk_size=64, block_width=64, target=target)
+    x = make_inputs([64 * 6 - 5], 1, 128, device="cpu", seed=23)  # one walk of 6 chunks
+    p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+    init = torch.randn(1, 1, 128, 128, generator=torch.Generator().manual_seed(5)) * 0.1
+    run = lambda g: kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
+                                         x.cu_seqlens, init, True, groups=g)
+    o1, s1 = run(1)
+    og, sg = run(6)
+    assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2
