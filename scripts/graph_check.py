@@ -24,18 +24,20 @@ def step(name: str) -> None:
     print(f"graph_check: {name}", flush=True)
 
 
-def replay_alone(fn, reps: int = 5) -> None:
-    """Capture ``fn`` (after one eager call) and replay it ``reps`` times."""
-    fn()
+def replay_alone(fn, reps: int = 5):
+    """Capture ``fn`` (after one eager call) and replay it ``reps`` times; returns the
+    eager call's result and the captured one's (its tensors hold the last replay's)."""
+    eager = fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        captured = fn()
     step("captured")
     for _ in range(reps):
         g.replay()
     torch.cuda.synchronize()
     step("replayed")
+    return eager, captured
 
 
 def main() -> None:
@@ -72,14 +74,8 @@ def main() -> None:
         x, init = sets[0], inits[0]
         ci = prepare_chunk_indices(x.cu_seqlens, 16)
         step("one prefill captured, replayed against its eager result")
-        o_e, s_e = kern.prefill(*x.args(), None, lb, x.cu_seqlens, init, True, groups=groups,
-                                chunk_indices=ci)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            o_g, s_g = kern.prefill(*x.args(), None, lb, x.cu_seqlens, init, True, groups=groups,
-                                    chunk_indices=ci)
-        g.replay()
-        torch.cuda.synchronize()
+        (o_e, s_e), (o_g, s_g) = replay_alone(lambda: kern.prefill(
+            *x.args(), None, lb, x.cu_seqlens, init, True, groups=groups, chunk_indices=ci), reps=1)
         err = max(rel_err(o_g, o_e), rel_err(s_g, s_e))
         print(f"graph_check: replay against eager {err:.2e}", flush=True)
         step("graphs (the bench's graph_ms, its own group choice)")
