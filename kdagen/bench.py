@@ -104,10 +104,11 @@ def graph_ms(kern, sets: list, inits: list, lower_bound: float | None, reps: int
 
     if os.environ.get("KDAGEN_BENCH_GRAPH", "1") == "0":
         return None
-    graphs = []
+    graphs, held = [], []
     try:
         for x, init in zip(sets, inits):
             ci = prepare_chunk_indices(x.cu_seqlens, kern.spec.chunk_size)
+            held.append(ci)  # a graph reads its inputs at every replay: each lives as long as it
 
             def call(x=x, init=init, ci=ci):
                 return kern.prefill(*x.args(), None, lower_bound, x.cu_seqlens, init, True,

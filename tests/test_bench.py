@@ -60,3 +60,49 @@ def test_profile_argv_loads_the_named_variant(monkeypatch):
     assert asked[-1] == {"target": "sm_90", "gate": "softplus", "chunk_size": 16, "block_width": 64}
     assert bench.profile_argv(["x"], "1x32768:32")[:2] == ([(1, 32768, 32)], "lower_bound")
     assert asked[-1]["chunk_size"] == 64 and asked[-1]["block_width"] == 128
+
+
+def test_graph_timing_keeps_every_captured_graphs_inputs_alive(monkeypatch):
+    """A CUDA graph reads its input tensors at every replay: graph_ms must hold each set's
+    chunk indices until its last replay. (v16 dropped all but the last set's with the
+    closure that held them; their memory was reused and the replays faulted.)"""
+    import contextlib
+    import weakref
+
+    import torch
+
+    made: list = []
+
+    def chunk_indices(cu_seqlens, chunk_size):
+        t = torch.zeros(4, 2, dtype=torch.int32)
+        made.append(weakref.ref(t))
+        return t
+
+    class Graph:
+        def replay(self):
+            pass
+
+    def timing(fn, sets, reps):
+        assert all(r() is not None for r in made), "a captured graph's chunk indices were freed"
+        return 1.0
+
+    class Kern:
+        spec = type("S", (), {"chunk_size": 16})()
+
+        def prefill(self, *args, **kw):
+            return None
+
+    class Set:
+        cu_seqlens = torch.tensor([0, 64])
+
+        def args(self):
+            return ()
+
+    monkeypatch.setattr("kdagen.varlen.prepare_chunk_indices", chunk_indices)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "time_ms", timing)
+    monkeypatch.setenv("KDAGEN_BENCH_GRAPH", "1")
+    assert bench.graph_ms(Kern(), [Set() for _ in range(3)], [None] * 3, -5.0, 4) == 1.0
+    assert len(made) == 3
