@@ -112,9 +112,9 @@ def test_cuda_graph_replay_with_new_cu_seqlens():
 def test_cuda_graph_of_prefill_at_chunk_16(gate, shape, groups):
     """The bench's CUDA-graph timing of ``Kernels.prefill`` (chunk 16, u formed in the scan):
     one capture replayed against its eager result, then graph_ms's four captures in
-    rotation. In a subprocess, since a device fault ends the CUDA context: on 2026-12-04
-    the lower-bound rows hit "an illegal instruction" there (docs/VALIDATION.md v16; not
-    under compute-sanitizer), the softplus rows passed."""
+    rotation. In a subprocess, since a device fault ends the CUDA context: v16's graph_ms
+    let the chunk indices of all but its last capture be freed, and the lower-bound rows
+    hit "an illegal instruction" in the replays (docs/BENCHMARKS.md, "Fixed")."""
     import subprocess
     import sys
     from pathlib import Path
