@@ -18,6 +18,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdagen-out}
 LOGS=${LOGS:-/tmp/kdagen-logs}
 mkdir -p "$OUT" "$LOGS"; rm -f "$OUT/errors.jsonl"
+# the logs come back as $OUT/logs.tgz also when the device call's time limit stops this
+# script (SIGTERM): a run cut short still says how far it got
+trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null' EXIT
+trap 'echo "gpu_check: stopped (SIGTERM)"; exit 143' TERM
 source scripts/carried_wheels.sh
 export PYTHONUNBUFFERED=1
 export KDAGEN_CACHE_DIR=${KDAGEN_CACHE_DIR:-/tmp/kdagen-cache}
@@ -74,5 +78,4 @@ echo "build: rc=$build_rc ($((t1 - t0)) s); tests: rc=$tests_rc ($((t2 - t1)) s)
 grep -E "passed|failed|error" "$LOGS/gpu_tests.log" 2>/dev/null | tail -n 3
 [ -f "$OUT/validation.md" ] && cat "$OUT/validation.md"
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
-tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 exit 0
