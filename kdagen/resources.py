@@ -120,9 +120,25 @@ def chunk_footprint(
     (C x block_width) and the akk tile (C x C) of the walk that forms u from v], and the
     fp32 chunk decay; ``stages`` such buffers (the largest walk's: pass one of the chunk
     groups stages no qg / aqk tiles)."""
+    return _walk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
+                           stage_uo, wgmma, outputs=True)
+
+
+def pass_one_footprint(
+    head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
+    stages: int = 1, stage_uo: bool = False, wgmma: bool = False,
+) -> Footprint:
+    """``chunk_footprint`` of the grouped walk's pass one: no qg / aqk tiles."""
+    return _walk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
+                           stage_uo, wgmma, outputs=False)
+
+
+def _walk_footprint(head_dim: int, chunk_size: int, block_width: int, io_dtype: str,
+                    wave_size: int, stages: int, stage_uo: bool, wgmma: bool,
+                    outputs: bool) -> Footprint:
     c, d = chunk_size, head_dim
     pad = 0 if wgmma else PAD_16BIT
-    elems = 2 * c * (d + pad) + d * (c + pad) + c * (c + pad)
+    elems = (2 if outputs else 1) * c * (d + pad) + d * (c + pad) + (c * (c + pad) if outputs else 0)
     if stage_uo:
         elems += c * (block_width + PAD_16BIT) + c * (c + pad)
     waves = block_width // 16
@@ -135,6 +151,12 @@ def chunk_footprint(
 # 170 -> 206).
 CHUNK_STAGES = 2
 
+# Stages of the grouped walk's pass one (state and transfer rows only: no qg / aqk tiles,
+# so a stage is about half the walk's), the most that fit up to this; 0: the walk's count.
+# Its steps are shorter than the walk's (304 against 666 SASS in the c16 loop body), so
+# its copies may not be covered one chunk ahead; not timed yet (docs/NOTES.md, v17).
+PASS_ONE_STAGES = 0
+
 
 @dataclass(frozen=True)
 class ChunkPlan:
@@ -144,6 +166,11 @@ class ChunkPlan:
     stage_uo: bool  # u read and o written through LDS (16-byte accesses) instead of per element
     min_blocks: int = 1  # blocks the launch bound keeps resident per compute unit
     wgmma: bool = False  # products as warpgroup instructions (B operands read from LDS by the tensor cores)
+    pass_one_stages: int = 0  # the grouped walk's pass one; 0: ``stages``
+
+    @property
+    def stages_of_pass_one(self) -> int:
+        return self.pass_one_stages or self.stages
 
 
 # Whether the chunk scan may issue its products per warpgroup (wgmma) where the target
@@ -201,7 +228,10 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
             blocks, share = 1, shared_mem
         fits = lambda st: footprint(st, True, wg) <= min(share, shared_mem)
         stages = max(st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st))
-        return ChunkPlan(stages, True, blocks, wg)
+        one = lambda st: pass_one_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
+                                            st, True, wg).shared_mem <= min(share, shared_mem)
+        one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
+        return ChunkPlan(stages, True, blocks, wg, one_stages if one_stages != stages else 0)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 
 

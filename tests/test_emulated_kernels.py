@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from kdagen import reference as ref
+from kdagen import reference as ref, resources
 from kdagen.testing import conv_prologue_reference, make_inputs, rel_err
 
 pytestmark = pytest.mark.emulate
@@ -362,12 +362,19 @@ def test_lower_bound_diagonal_blocks_survive_huge_raw_inputs(target):
 
 
 @needs_clang
-@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
-def test_every_group_count_matches_the_single_walk(target, monkeypatch):
+@pytest.mark.parametrize("target, pass_one_stages", [("sm_90", 0), ("sm_90", 3), ("gfx942", 0)])
+def test_every_group_count_matches_the_single_walk(target, pass_one_stages, monkeypatch):
     """The two-pass group scan against the single walk, for group counts that split
     one long walk evenly, unevenly and into groups of one chunk (workspace poisoned:
-    a plane read before it is written shows as NaN)."""
+    a plane read before it is written shows as NaN); on sm_90 also with pass one
+    buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
+    monkeypatch.setattr(resources, "PASS_ONE_STAGES", pass_one_stages)
+    if pass_one_stages:
+        from kdagen.render import chunk_plan_for
+        from kdagen.spec import KernelSpec
+        plan = chunk_plan_for(KernelSpec(head_dim=64, chunk_size=32, block_width=32, target=target))
+        assert (plan.stages, plan.stages_of_pass_one) == (2, pass_one_stages)
     kern = emulated(head_dim=64, chunk_size=32, block_width=32, target=target)
     x = make_inputs([32 * 9 + 7, 40], 2, 64, device="cpu", seed=17)  # walks of 10 and 2 chunks
     p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)

@@ -140,6 +140,7 @@ def test_default_constexprs():
         "kPlanar": "true",  # ... and the planar L / aqk operands
         "kPrologueBytes": str(resources.prologue_shared_mem(128, 64, "bf16", 232448)),
         "kChunkStages": "2",  # cp.async double buffering
+        "kChunkStagesPassOne": "2",  # resources.PASS_ONE_STAGES 0: the walk's count
         "kChunkMinBlocks": "1",  # the c64 walk keeps its 255 registers
         "kStageUO": "true",
         "kChunkWgmma": "false",  # resources.CHUNK_WGMMA: per-wave mma.sync (measured faster)
@@ -167,6 +168,27 @@ def test_default_constexprs():
 def test_prologue_block_size_and_min_blocks_follow_its_lds(spec, threads, blocks):
     c = constexprs(kernels(spec))
     assert (c["kPrologueThreads"], c["kPrologueMinBlocks"]) == (str(threads), str(blocks))
+
+
+def test_pass_one_stages_take_the_most_that_fit_up_to_the_constant(monkeypatch):
+    """PASS_ONE_STAGES buffers the grouped walk's pass one deeper than the walk (its stage
+    has no qg / aqk tiles), only as deep as its share of the LDS holds, never shallower."""
+    assert constexprs(kernels({"chunk_size": 16}))["kChunkStagesPassOne"] == "2"
+    monkeypatch.setattr(resources, "PASS_ONE_STAGES", 4)
+    c16 = resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 233472, 1024)
+    assert (c16.stages, c16.stages_of_pass_one, c16.min_blocks) == (2, 4, 2)
+    per_block = 233472 // 2 - 1024
+    assert resources.pass_one_footprint(128, 16, 128, "bf16", 32, 4, True).shared_mem <= per_block
+    assert constexprs(kernels({"chunk_size": 16}))["kChunkStagesPassOne"] == "4"
+    monkeypatch.setattr(resources, "PASS_ONE_STAGES", 40)  # capped by the LDS share
+    deep = resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 233472, 1024)
+    st = deep.stages_of_pass_one
+    assert resources.pass_one_footprint(128, 16, 128, "bf16", 32, st, True).shared_mem <= per_block
+    assert resources.pass_one_footprint(128, 16, 128, "bf16", 32, st + 1, True).shared_mem > per_block
+    monkeypatch.setattr(resources, "PASS_ONE_STAGES", 1)  # never below the walk's
+    assert resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 233472, 1024).stages_of_pass_one == 2
+    gfx = resources.chunk_plan(128, 64, 128, "bf16", 64, 65536, False)
+    assert gfx.stages_of_pass_one == gfx.stages == 1  # no asynchronous copies: one stage
 
 
 @pytest.mark.parametrize("target, stages, uo", [

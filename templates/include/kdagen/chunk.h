@@ -42,7 +42,8 @@ struct ChunkLayout {
   static constexpr int LDW = kWg ? D : D + Cfg::kPad16;  // w, qg tiles [C][LDW]
   static constexpr int LDC = kWg ? C : C + Cfg::kPad16;  // kg_t [D][LDC], aqk [C][LDC]
   static constexpr int LDU = BV + Cfg::kPad16;  // u in, o out [C][LDU] (kStageUO)
-  static constexpr int kStages = Cfg::kChunkStages;  // > 1: kStages - 1 chunks load ahead of this one
+  // > 1: kStages - 1 chunks load ahead of this one (pass one, without outputs, its own count)
+  static constexpr int kStages = kOutputs ? Cfg::kChunkStages : Cfg::kChunkStagesPassOne;
   static constexpr bool kAkkTile = kAkk && Cfg::kStageUO;
   static constexpr int kElems = (kOutputs ? 2 : 1) * C * LDW + D * LDC + (kOutputs ? C * LDC : 0) +
                                 (kAkkTile ? C * LDC : 0) + (Cfg::kStageUO ? C * LDU : 0);
