@@ -166,7 +166,7 @@ class ChunkPlan:
     stage_uo: bool  # u read and o written through LDS (16-byte accesses) instead of per element
     min_blocks: int = 1  # blocks the launch bound keeps resident per compute unit
     wgmma: bool = False  # products as warpgroup instructions (B operands read from LDS by the tensor cores)
-    pass_one_stages: int = 0  # the grouped walk's pass one; 0: ``stages``
+    pass_one_stages: int = 0  # the grouped walk's pass one; 0 (one stage, no async copies): ``stages``
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -226,12 +226,13 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
         if footprint(least, True, wg) > share:
             blocks, share = 1, shared_mem
-        fits = lambda st: footprint(st, True, wg) <= min(share, shared_mem)
+        limit = min(share, shared_mem)
+        fits = lambda st: footprint(st, True, wg) <= limit
         stages = max(st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st))
         one = lambda st: pass_one_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
-                                            st, True, wg).shared_mem <= min(share, shared_mem)
+                                            st, True, wg).shared_mem <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
-        return ChunkPlan(stages, True, blocks, wg, one_stages if one_stages != stages else 0)
+        return ChunkPlan(stages, True, blocks, wg, one_stages)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
 
 
