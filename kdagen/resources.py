@@ -153,9 +153,10 @@ CHUNK_STAGES = 2
 
 # Stages of the grouped walk's pass one (state and transfer rows only: no qg / aqk tiles,
 # so a stage is about half the walk's), the most that fit up to this; 0: the walk's count.
-# Its steps are shorter than the walk's (304 against 666 SASS in the c16 loop body), so
-# its copies may not be covered one chunk ahead; not timed yet (docs/NOTES.md, v17).
-PASS_ONE_STAGES = 0
+# Its steps are shorter than the walk's (304 against 666 SASS in the c16 loop body). On the
+# H200 at c16 (docs/NOTES.md, v18) pass one took 0.642 / 0.625 / 0.680 ms for 2 / 3 / 4 at
+# 1x32768x32 in 8 groups (0.701 / 0.680 / 0.723 at 1x131072x8 in 32): 3.
+PASS_ONE_STAGES = 3
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,15 @@ def read_ncu_sass(path: str | Path) -> tuple[str, list[dict[str, str]]]:
 
 
 def mangled_pattern(kernel: str, demangled: str) -> str:
-    """What names ``kernel``'s instance in the listing: ``chunk_kernel<kdagen::Config, 2>``
-    (ncu writes ``(int)2``)
-    (one of the walk's three modes) is ``chunk_kernelINS_6ConfigELi2E``."""
-    m = re.search(rf"{re.escape(kernel)}<kdagen::Config, (?:\(int\))?(\d+)>", demangled)
-    return f"{kernel}INS_6ConfigELi{m.group(1)}E" if m else kernel
+    """What names ``kernel``'s instance in the listing from ncu's demangled name: its
+    template arguments after the Config, ``(int)2`` -> ``Li2E`` and ``(bool)1`` -> ``Lb1E``
+    (``chunk_kernel<kdagen::Config, (int)2, (bool)1>`` is ``chunk_kernelINS_6ConfigELi2ELb1E``,
+    ``prologue_kernel<kdagen::Config, (bool)0>`` is ``prologue_kernelINS_6ConfigELb0E``)."""
+    m = re.search(rf"{re.escape(kernel)}<kdagen::Config((?:, \((?:int|bool)\)\d+|, \d+)*)>", demangled)
+    if not m or not m.group(1):
+        return kernel
+    args = re.findall(r"(?:\((int|bool)\))?(\d+)", m.group(1))
+    return f"{kernel}INS_6ConfigE" + "".join(f"L{'b' if t == 'bool' else 'i'}{v}E" for t, v in args)
 
 
 # Helpers inlined into the kernels: an instruction of theirs counts for the kernel line

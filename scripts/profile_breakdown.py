@@ -63,10 +63,12 @@ def main() -> None:
         with torch.cuda.graph(graph):
             e2e(ci)
         replay = time_ms(lambda _: graph.replay(), 1, 20)
+        led = time_ms(lambda _: e2e(ci), 1, 20, lead=True), time_ms(lambda _: graph.replay(), 1, 20, lead=True)
         ks = kernel_times(lambda: e2e(ci), 10)
         parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ks.items(), key=lambda kv: -kv[1]))
         print(f"{kern.spec.name} {n}x{t}x{h} {gate} groups {groups}: eager {eager:.3f} ms, graph {replay:.3f} ms, "
-              f"host {eager - replay:+.3f} ms | {parts}", flush=True)
+              f"host {eager - replay:+.3f} ms, busy stream: eager {led[0]:.3f} graph {led[1]:.3f}, "
+              f"kernels {sum(ks.values()):.3f} | {parts}", flush=True)
 
 
 if __name__ == "__main__":

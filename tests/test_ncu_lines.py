@@ -81,3 +81,18 @@ def test_the_csv_kernel_name_picks_one_mode_of_the_walk(tmp_path):
 
     with pytest.raises(ValueError, match="several functions"):
         ncu_lines.read_listing(lst, "chunk_kernel")
+    # instances told apart by a second (bool) argument: the walk's akk form, the prologue's
+    lst.write_text(".text._ZN6kdagen15prologue_kernelINS_6ConfigELb1EEEvNS_12PrologueArgsE:\n"
+                   "        /*0000*/                   EXIT ;\n"
+                   ".text._ZN6kdagen15prologue_kernelINS_6ConfigELb0EEEvNS_12PrologueArgsE:\n"
+                   "        /*0000*/                   NOP ;\n"
+                   ".text._ZN6kdagen12chunk_kernelINS_6ConfigELi0ELb1EEEvNS_9ChunkArgsE:\n"
+                   "        /*0000*/                   BAR ;\n"
+                   ".text._ZN6kdagen12chunk_kernelINS_6ConfigELi0ELb0EEEvNS_9ChunkArgsE:\n"
+                   "        /*0000*/                   RET ;\n")
+    for demangled, op in [("void kdagen::prologue_kernel<kdagen::Config, (bool)0>(kdagen::PrologueArgs)", "NOP"),
+                          ("void kdagen::prologue_kernel<kdagen::Config, (bool)1>(kdagen::PrologueArgs)", "EXIT")]:
+        assert ncu_lines.read_listing(lst, ncu_lines.mangled_pattern("prologue_kernel", demangled))[0][1] == op
+    for demangled, op in [("void kdagen::chunk_kernel<kdagen::Config, (int)0, (bool)1>(kdagen::ChunkArgs)", "BAR"),
+                          ("void kdagen::chunk_kernel<kdagen::Config, (int)0, (bool)0>(kdagen::ChunkArgs)", "RET")]:
+        assert ncu_lines.read_listing(lst, ncu_lines.mangled_pattern("chunk_kernel", demangled))[0][1] == op

@@ -140,7 +140,7 @@ def test_default_constexprs():
         "kPlanar": "true",  # ... and the planar L / aqk operands
         "kPrologueBytes": str(resources.prologue_shared_mem(128, 64, "bf16", 232448)),
         "kChunkStages": "2",  # cp.async double buffering
-        "kChunkStagesPassOne": "2",  # resources.PASS_ONE_STAGES 0: the walk's count
+        "kChunkStagesPassOne": "3",  # resources.PASS_ONE_STAGES: pass one buffers deeper
         "kChunkMinBlocks": "1",  # the c64 walk keeps its 255 registers
         "kStageUO": "true",
         "kChunkWgmma": "false",  # resources.CHUNK_WGMMA: per-wave mma.sync (measured faster)
@@ -173,7 +173,7 @@ def test_prologue_block_size_and_min_blocks_follow_its_lds(spec, threads, blocks
 def test_pass_one_stages_take_the_most_that_fit_up_to_the_constant(monkeypatch):
     """PASS_ONE_STAGES buffers the grouped walk's pass one deeper than the walk (its stage
     has no qg / aqk tiles), only as deep as its share of the LDS holds, never shallower."""
-    assert constexprs(kernels({"chunk_size": 16}))["kChunkStagesPassOne"] == "2"
+    assert constexprs(kernels({"chunk_size": 16}))["kChunkStagesPassOne"] == str(resources.PASS_ONE_STAGES)
     monkeypatch.setattr(resources, "PASS_ONE_STAGES", 4)
     c16 = resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 233472, 1024)
     assert (c16.stages, c16.stages_of_pass_one, c16.min_blocks) == (2, 4, 2)
