@@ -82,8 +82,9 @@ def test_graph_timing_keeps_every_captured_graphs_inputs_alive(monkeypatch):
         def replay(self):
             pass
 
-    def timing(fn, sets, reps):
+    def timing(fn, sets, reps, lead=False):
         assert all(r() is not None for r in made), "a captured graph's chunk indices were freed"
+        assert lead, "graph replays are timed behind a spin kernel (device time only)"
         return 1.0
 
     class Kern:
@@ -106,3 +107,36 @@ def test_graph_timing_keeps_every_captured_graphs_inputs_alive(monkeypatch):
     monkeypatch.setenv("KDAGEN_BENCH_GRAPH", "1")
     assert bench.graph_ms(Kern(), [Set() for _ in range(3)], [None] * 3, -5.0, 4) == 1.0
     assert len(made) == 3
+
+
+def test_lead_spins_the_gpu_before_each_start_event(monkeypatch):
+    """time_ms(lead=True) enqueues a spin kernel ahead of every timed call's start event, so
+    the host's enqueueing happens while the GPU is busy; without it, none."""
+    import torch
+
+    from kdagen import bench
+
+    calls: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            calls.append("record")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(f"sleep {cycles}"))
+    assert bench.time_ms(lambda i: calls.append("call"), 1, 2, warmup=0, lead=True) == 2.0
+    spin = f"sleep {bench.LEAD_CYCLES}"
+    assert calls == [spin, "record", "call", "record"] * 2
+    calls.clear()
+    bench.time_ms(lambda i: calls.append("call"), 1, 2, warmup=0)
+    assert calls == ["record", "call", "record"] * 2

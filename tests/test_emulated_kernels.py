@@ -344,6 +344,43 @@ def test_copies_landing_as_late_as_cp_async_allows(emulate_cache, apart):
 
 
 @needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_state_planes_16_byte_aligned_or_not(target, monkeypatch):
+    """The walks read start states and write end states as vector pieces where a plane is
+    16-byte aligned (whole sectors; the emulation aborts on a misaligned one) and element
+    by element where the caller's tensor is a 4-byte aligned view: start states and a paged
+    cache at both alignments, in the single walk and in chunk groups (whose pass two reads
+    its start states from the workspace), against the reference."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    kern = emulated(head_dim=64, chunk_size=32, target=target)
+    C, D, H = 32, 64, 2
+    x = make_inputs([C * 3 + 3, C, 5, 0, 40], H, D, device="cpu", seed=31)
+    N, slots, gen = 5, 6, torch.Generator().manual_seed(4)
+    p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+    idx = torch.tensor([4, 1, 2, 0, 5], dtype=torch.int32)
+    for shift in (0, 1):  # 1: every plane 4-byte aligned only
+        init = (torch.randn(N * H * D * D + 1, generator=gen) * 0.1)[shift:shift + N * H * D * D].view(N, H, D, D)
+        o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens, initial_state=init)
+        for groups in (1, 3):
+            out, fin = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
+                                            x.cu_seqlens, init, True, groups=groups)
+            assert rel_err(out, o_ref) < TOL, (shift, groups, rel_err(out, o_ref))
+            assert rel_err(fin, s_ref) < TOL, (shift, groups, rel_err(fin, s_ref))
+        cache = (torch.randn(slots * H * D * D + 1, generator=gen) * 0.1)[shift:shift + slots * H * D * D]
+        cache = cache.view(slots, H, D, D)
+        before = cache.clone()
+        o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens,
+                                                      initial_state=before[idx.long()])
+        out, fin = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
+                                        x.cu_seqlens, None, False, state_cache=cache,
+                                        state_indices=idx, has_initial_state=torch.ones(N, dtype=torch.bool),
+                                        groups=1)
+        assert fin is None and rel_err(out, o_ref) < TOL
+        assert rel_err(cache[idx.long()], s_ref) < TOL, (shift, rel_err(cache[idx.long()], s_ref))
+        assert torch.equal(cache[3], before[3])  # the slot nobody names
+
+
+@needs_clang
 @pytest.mark.parametrize("target", ["sm_90", "gfx90a"])
 def test_lower_bound_diagonal_blocks_survive_huge_raw_inputs(target):
     """The matrix-unit diagonal blocks scale their operands by up to 2^(8 |bound| / ln 2);

@@ -185,14 +185,34 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   const float* init = nullptr;
   if constexpr (kMode == kWalkSingle) init = initial_plane(a, n, h, D);
   if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);
+  // (vector pieces where the plane is 16-byte aligned: the caller's initial_state may be 4-byte aligned
+  // only)
+  const bool init16 = init != nullptr && reinterpret_cast<uintptr_t>(init) % 16 == 0;
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
     mma::zero(S[kt]);
-    mma::for_each(S[kt], [&](int r, int k, float& x) {
-      if (transfer) x = (row0 + r - D == 16 * kt + k) ? -1.0f : 0.0f;
-      else if (init != nullptr) x = -init[static_cast<int64_t>(row0 + r) * D + 16 * kt + k];
-    });
+    if (init16) {
+      mma::load_rows_f32(S[kt], init + static_cast<int64_t>(row0) * D + 16 * kt, D, -1.0f);
+    } else {
+      mma::for_each(S[kt], [&](int r, int k, float& x) {
+        if (transfer) x = (row0 + r - D == 16 * kt + k) ? -1.0f : 0.0f;
+        else if (init != nullptr) x = -init[static_cast<int64_t>(row0 + r) * D + 16 * kt + k];
+      });
+    }
   }
+
+  // The state (negated back) into a plane's rows from `row`: vector pieces where the plane
+  // allows (a paged cache or a checkpoint buffer may be a 4-byte aligned view).
+  auto store_state = [&](float* plane, int row) {
+    if (reinterpret_cast<uintptr_t>(plane) % 16 == 0) {
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) mma::store_rows_f32(S[kt], plane + static_cast<int64_t>(row) * D + 16 * kt, D, -1.0f);
+    } else {
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt)
+        mma::for_each(S[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * kt + k] = -x; });
+    }
+  };
 
   const int ck_tokens = (kMode != kWalkPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;
   const int64_t row_hd = static_cast<int64_t>(H) * D, row_hc = static_cast<int64_t>(H) * C;
@@ -537,11 +557,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   } else if (kMode == kWalkSingle || g == last_group) {
     dst = final_plane(a, n, h, D);
   }
-  if (dst != nullptr) {
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt)
-      mma::for_each(S[kt], [&](int r, int k, float& x) { dst[static_cast<int64_t>(drow + r) * D + 16 * kt + k] = -x; });
-  }
+  if (dst != nullptr) store_state(dst, drow);
 }
 
 // S_start(0) = the initial state; S_start(g + 1) = S_start(g) R_g + B_g. Writes every

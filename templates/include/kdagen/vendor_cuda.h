@@ -15,6 +15,8 @@
 //   scale_k(frag, s)  every element of a B operand times s[k] (fp32, one rounding)
 //   store_tile(acc, p, ld)  the accumulator rounded to 16 bits into LDS, p[row * ld + col]
 //   neg(frag)  the operand negated
+//   store_rows_f32 / load_rows_f32(acc, p, ld, s)  the tile times s to / from fp32 rows in
+//              global memory in whole sectors (p, ld 8-byte aligned on NVIDIA, 16 on CDNA)
 // Here a 16x16 tile is two m16n8 halves; lane = 4 * g + t.
 #pragma once
 
@@ -110,6 +112,38 @@ template <class F> __device__ __forceinline__ void for_each(Acc& c, F&& f) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
   for (int i = 0; i < 8; ++i) f(g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t + (i & 1), c.v[i]);
+}
+
+// The tile times s to / from fp32 rows in global memory, p[row * ld + col] (p and ld
+// keeping 8-byte alignment): for_each's pairs of neighbouring columns as 8-byte pieces,
+// the four lanes of a row group one whole 32-byte sector - half the memory instructions
+// of for_each, none of its half-sector accesses.
+__device__ __forceinline__ void rows_aligned(const float* p) {
+#if defined(KDAGEN_EMULATE)
+  if (reinterpret_cast<uintptr_t>(p) % 8 != 0) {
+    std::fprintf(stderr, "kdagen emulate: misaligned fp32 rows (%p)\n", static_cast<const void*>(p));
+    std::abort();
+  }
+#else
+  (void)p;
+#endif
+}
+__device__ __forceinline__ void store_rows_f32(const Acc& c, float* p, int ld, float s) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  rows_aligned(p);
+#pragma unroll
+  for (int i = 0; i < 8; i += 2)
+    *reinterpret_cast<float2*>(p + (g + 8 * ((i >> 1) & 1)) * ld + 8 * (i >> 2) + 2 * t) =
+        make_float2(s * c.v[i], s * c.v[i + 1]);
+}
+__device__ __forceinline__ void load_rows_f32(Acc& c, const float* p, int ld, float s) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  rows_aligned(p);
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    const float2 x = *reinterpret_cast<const float2*>(p + (g + 8 * ((i >> 1) & 1)) * ld + 8 * (i >> 2) + 2 * t);
+    c.v[i] = s * x.x, c.v[i + 1] = s * x.y;
+  }
 }
 
 template <DType T, class F> __device__ __forceinline__ Frag load_a(F&& f) {
