@@ -185,9 +185,9 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   const float* init = nullptr;
   if constexpr (kMode == kWalkSingle) init = initial_plane(a, n, h, D);
   if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);
-  // (vector pieces where the plane is 16-byte aligned: the caller's initial_state may be 4-byte aligned
-  // only)
-  const bool init16 = init != nullptr && reinterpret_cast<uintptr_t>(init) % 16 == 0;
+  // (8-byte pieces where the vendor layer has them, mma::kStateRows, and the plane is 16-byte
+  // aligned: the caller's initial_state may be 4-byte aligned only)
+  const bool init16 = mma::kStateRows && init != nullptr && reinterpret_cast<uintptr_t>(init) % 16 == 0;
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
     mma::zero(S[kt]);
@@ -201,10 +201,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
     }
   }
 
-  // The state (negated back) into a plane's rows from `row`: vector pieces where the plane
-  // allows (a paged cache or a checkpoint buffer may be a 4-byte aligned view).
+  // The state (negated back) into a plane's rows from `row`: 8-byte pieces where the vendor
+  // layer has them and the plane allows (a paged cache may be a 4-byte aligned view).
   auto store_state = [&](float* plane, int row) {
-    if (reinterpret_cast<uintptr_t>(plane) % 16 == 0) {
+    if (mma::kStateRows && reinterpret_cast<uintptr_t>(plane) % 16 == 0) {
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) mma::store_rows_f32(S[kt], plane + static_cast<int64_t>(row) * D + 16 * kt, D, -1.0f);
     } else {

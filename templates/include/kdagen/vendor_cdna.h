@@ -85,31 +85,6 @@ __device__ __forceinline__ void zero(Acc& c) { c.v = f32x4{0.0f, 0.0f, 0.0f, 0.0
 
 __device__ __forceinline__ void add(Acc& d, const Acc& s) { d.v += s.v; }
 
-// The tile times s to / from fp32 rows in global memory, p[row * ld + col] (p and ld
-// keeping 16-byte alignment): a lane's four values are one row's four neighbouring
-// columns (for_each's), one 16-byte piece.
-__device__ __forceinline__ void rows_aligned(const float* p) {
-#if defined(KDAGEN_EMULATE)
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
-    std::fprintf(stderr, "kdagen emulate: misaligned fp32 rows (%p)\n", static_cast<const void*>(p));
-    std::abort();
-  }
-#else
-  (void)p;
-#endif
-}
-__device__ __forceinline__ void store_rows_f32(const Acc& c, float* p, int ld, float s) {
-  const int r = lane_id() & 15, q = lane_id() >> 4;
-  rows_aligned(p);
-  *reinterpret_cast<float4*>(p + r * ld + 4 * q) = make_float4(s * c.v[0], s * c.v[1], s * c.v[2], s * c.v[3]);
-}
-__device__ __forceinline__ void load_rows_f32(Acc& c, const float* p, int ld, float s) {
-  const int r = lane_id() & 15, q = lane_id() >> 4;
-  rows_aligned(p);
-  const float4 x = *reinterpret_cast<const float4*>(p + r * ld + 4 * q);
-  c.v = f32x4{s * x.x, s * x.y, s * x.z, s * x.w};
-}
-
 template <class F> __device__ __forceinline__ void for_each(Acc& c, F&& f) {
   const int r = lane_id() & 15, q = lane_id() >> 4;
 #pragma unroll
@@ -118,6 +93,19 @@ template <class F> __device__ __forceinline__ void for_each(Acc& c, F&& f) {
     f(r, 4 * q + j, x);
     c.v[j] = x;
   }
+}
+
+// The tile times s to / from fp32 rows in global memory, p[row * ld + col]: element by
+// element, as for_each visits them. kStateRows false: the walks keep their own element
+// loop for state planes here (the walk's code as before). A 16-byte form - a lane's four
+// values are one row's four neighbouring columns - took 6 more VGPRs at c16 on gfx90a
+// (pass two 126 -> 132, past the 128 that keeps two 8-wave blocks per CU); untimed.
+constexpr bool kStateRows = false;
+__device__ __forceinline__ void store_rows_f32(Acc c, float* p, int ld, float s) {
+  for_each(c, [&](int r, int col, float& x) { p[r * ld + col] = s * x; });
+}
+__device__ __forceinline__ void load_rows_f32(Acc& c, const float* p, int ld, float s) {
+  for_each(c, [&](int r, int col, float& x) { x = s * p[r * ld + col]; });
 }
 
 template <DType T> __device__ __forceinline__ short pack1(float x) {

@@ -118,6 +118,7 @@ template <class F> __device__ __forceinline__ void for_each(Acc& c, F&& f) {
 // keeping 8-byte alignment): for_each's pairs of neighbouring columns as 8-byte pieces,
 // the four lanes of a row group one whole 32-byte sector - half the memory instructions
 // of for_each, none of its half-sector accesses.
+constexpr bool kStateRows = true;  // the walks move 16-byte aligned state planes with these
 __device__ __forceinline__ void rows_aligned(const float* p) {
 #if defined(KDAGEN_EMULATE)
   if (reinterpret_cast<uintptr_t>(p) % 8 != 0) {
