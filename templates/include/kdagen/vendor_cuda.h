@@ -16,7 +16,7 @@
 //   store_tile(acc, p, ld)  the accumulator rounded to 16 bits into LDS, p[row * ld + col]
 //   neg(frag)  the operand negated
 //   store_rows_f32 / load_rows_f32(acc, p, ld, s)  the tile times s to / from fp32 rows in
-//              global memory in whole sectors (p, ld 8-byte aligned on NVIDIA, 16 on CDNA)
+//              global memory in whole sectors (p, ld 8-byte aligned; kStateRows: the walks use them)
 // Here a 16x16 tile is two m16n8 halves; lane = 4 * g + t.
 #pragma once
 
