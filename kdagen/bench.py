@@ -6,7 +6,8 @@ tune --chunk-sizes`` recorded for the shape, else 64; bf16), counted for the two
 design with u formed in the scan (``Kernels.prefill``, ``defer_u``):
   bytes  the prologue reads q, k, g (3 D x 2) + beta (2) and writes qg, w, kg_t (3 D x 2),
          aqk, akk (2 C x 2) and the fp32 decay (4 D / C); the scan reads them back, reads
-         v (D x 2) and writes o (D x 2).
+         v (D x 2) and writes o (D x 2); per sequence and head, the fp32 start state read
+         and the end state written (2 x D x D x 4).
   FLOPs  4 C D (L, aqk, the triangular solve of w, akk v) + scan 6 D^2
          (S w, S qg, kg v_new) + C D (aqk v_new).
 Times are medians of CUDA-event timings over many runs, rotating through several
@@ -74,11 +75,13 @@ def profile_argv(argv: list[str], default_shapes: str):
     return shapes, gate, kern
 
 
-def traffic(token_heads: int, C: int = 64) -> tuple[float, float]:
-    """Bytes and FLOPs of the two-kernel design for ``token_heads`` at chunk ``C``."""
+def traffic(token_heads: int, C: int = 64, state_planes: int = 0) -> tuple[float, float]:
+    """Bytes and FLOPs of the two-kernel design for ``token_heads`` at chunk ``C``, with
+    ``state_planes`` (sequences x heads) fp32 start states read and end states written
+    (D x D x 4 bytes each way: at 64x256x32 that adds 18% to the bytes)."""
     per_bytes = 3 * D * 2 + 2 + 2 * (3 * D * 2 + 2 * C * 2 + 4 * D / C) + D * 2 + D * 2
     per_flops = 4 * C * D + 6 * D * D + C * D
-    return per_bytes * token_heads, per_flops * token_heads
+    return per_bytes * token_heads + state_planes * 2 * D * D * 4, per_flops * token_heads
 
 
 # GPU clock cycles of the spin enqueued ahead of each timed call (``time_ms(lead=True)``):
@@ -218,7 +221,7 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
             groups = kern._choose_groups((t + C - 1) // C, n, h, torch.device("cuda"))  # as used
             row = Row(f"{n}x{t}x{h}", gate, th, C, groups, time_ms(ours, nsets, reps),
                       time_ms(prologue_only, nsets, reps), time_ms(chunk_only, nsets, reps), None,
-                      0.0, *traffic(th, C), None)
+                      0.0, *traffic(th, C, n * h), None)
             row.graph_ms = graph_ms(kern, sets, inits, lb, reps)
             if chunk_kda is not None:
                 cus = [x.cu_seqlens.long() for x in sets]

@@ -13,6 +13,9 @@ def test_traffic_counts_the_chunk_sized_operands():
     assert b == 3 * 128 * 2 + 2 + 2 * (3 * 128 * 2 + 2 * 16 * 2 + 4 * 128 / 16) + 2 * 128 * 2
     assert f64 - f32 == 5 * 32 * 128  # 4 C D (prologue) + C D (aqk v_new)
     assert bench.traffic(1000, 64) == (1000 * b64, 1000 * f64)
+    # start states read and end states written: 128 KB per (sequence, head) at D = 128
+    b_states, f_states = bench.traffic(1000, 64, state_planes=3)
+    assert (b_states - 1000 * b64, f_states) == (3 * 2 * 128 * 128 * 4, 1000 * f64)
 
 
 def test_table_names_each_rows_chunk_size():
