@@ -187,31 +187,35 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);
   // (8-byte pieces where the vendor layer has them, mma::kStateRows, and the plane is 16-byte
   // aligned: the caller's initial_state may be 4-byte aligned only)
-  const bool init16 = mma::kStateRows && init != nullptr && reinterpret_cast<uintptr_t>(init) % 16 == 0;
+  const bool init16 = init != nullptr && reinterpret_cast<uintptr_t>(init) % 16 == 0;
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
     mma::zero(S[kt]);
-    if (init16) {
-      mma::load_rows_f32(S[kt], init + static_cast<int64_t>(row0) * D + 16 * kt, D, -1.0f);
-    } else {
-      mma::for_each(S[kt], [&](int r, int k, float& x) {
-        if (transfer) x = (row0 + r - D == 16 * kt + k) ? -1.0f : 0.0f;
-        else if (init != nullptr) x = -init[static_cast<int64_t>(row0 + r) * D + 16 * kt + k];
-      });
+    if constexpr (mma::kStateRows) {
+      if (init16) {
+        mma::load_rows_f32(S[kt], init + static_cast<int64_t>(row0) * D + 16 * kt, D, -1.0f);
+        continue;
+      }
     }
+    mma::for_each(S[kt], [&](int r, int k, float& x) {
+      if (transfer) x = (row0 + r - D == 16 * kt + k) ? -1.0f : 0.0f;
+      else if (init != nullptr) x = -init[static_cast<int64_t>(row0 + r) * D + 16 * kt + k];
+    });
   }
 
   // The state (negated back) into a plane's rows from `row`: 8-byte pieces where the vendor
   // layer has them and the plane allows (a paged cache may be a 4-byte aligned view).
   auto store_state = [&](float* plane, int row) {
-    if (mma::kStateRows && reinterpret_cast<uintptr_t>(plane) % 16 == 0) {
+    if constexpr (mma::kStateRows) {
+      if (reinterpret_cast<uintptr_t>(plane) % 16 == 0) {
 #pragma unroll
-      for (int kt = 0; kt < KT; ++kt) mma::store_rows_f32(S[kt], plane + static_cast<int64_t>(row) * D + 16 * kt, D, -1.0f);
-    } else {
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt)
-        mma::for_each(S[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * kt + k] = -x; });
+        for (int kt = 0; kt < KT; ++kt) mma::store_rows_f32(S[kt], plane + static_cast<int64_t>(row) * D + 16 * kt, D, -1.0f);
+        return;
+      }
     }
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+      mma::for_each(S[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * kt + k] = -x; });
   };
 
   const int ck_tokens = (kMode != kWalkPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;

@@ -95,18 +95,14 @@ template <class F> __device__ __forceinline__ void for_each(Acc& c, F&& f) {
   }
 }
 
-// The tile times s to / from fp32 rows in global memory, p[row * ld + col]: element by
-// element, as for_each visits them. kStateRows false: the walks keep their own element
-// loop for state planes here (the walk's code as before). A 16-byte form - a lane's four
-// values are one row's four neighbouring columns - took 6 more VGPRs at c16 on gfx90a
-// (pass two 126 -> 132, past the 128 that keeps two 8-wave blocks per CU); untimed.
+// kStateRows false: no store_rows_f32 / load_rows_f32 here (declared only, for the walks'
+// `if constexpr` branch that uses them on NVIDIA); the walks move state planes element by
+// element. A 16-byte form - a lane's four values are one row's four neighbouring columns -
+// took 6 more VGPRs at c16 on gfx90a (pass two 126 -> 132, past the 128 that keeps two
+// 8-wave blocks per CU), and an element-wise one beside the walk's own loop 2-6 more; untimed.
 constexpr bool kStateRows = false;
-__device__ __forceinline__ void store_rows_f32(Acc c, float* p, int ld, float s) {
-  for_each(c, [&](int r, int col, float& x) { p[r * ld + col] = s * x; });
-}
-__device__ __forceinline__ void load_rows_f32(Acc& c, const float* p, int ld, float s) {
-  for_each(c, [&](int r, int col, float& x) { x = s * p[r * ld + col]; });
-}
+__device__ void store_rows_f32(const Acc& c, float* p, int ld, float s);
+__device__ void load_rows_f32(Acc& c, const float* p, int ld, float s);
 
 template <DType T> __device__ __forceinline__ short pack1(float x) {
   static_assert(T != DType::kFP32, "matrix operands are 16-bit");
