@@ -225,6 +225,35 @@ def test_diagonal_blocks_take_both_paths_in_one_chunk(target):
 
 
 @needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx950"])
+def test_chunk_16_diagonal_block_both_ways(target, monkeypatch):
+    """Planar prologue at chunk 16, where a chunk is one diagonal block: a softplus gate
+    strong in every other chunk (span past kDiagSpan: the exact per-pair path, Kb scaled
+    against the block's last row) and faint in the rest (the matrix units, Kb scaled
+    against its first row in P4 and divided back for kg_t). Every output against the
+    reference, outputs poisoned."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    C = 16
+    kern = emulated(head_dim=64, chunk_size=C, target=target)
+    x = make_inputs(lens_for(C) + [5 * C + 3], 2, 64, device="cpu", strong_decay=True, seed=29)
+    for a, b in zip(x.cu_seqlens.tolist(), x.cu_seqlens.tolist()[1:]):
+        for t in range(a, b):
+            if ((t - a) // C) % 2 == 1:
+                x.g[0, t] = -6.0 - x.dt_bias.view(2, 64)  # softplus(-6) e^1: ~7e-3 per step
+    got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
+                                        cu_seqlens=x.cu_seqlens, chunk_size=C)
+    for name in OPS:
+        err = rel_err(got[name], want[name].to(got[name].dtype))
+        assert err < TOL, f"{name}: rel err {err:.3e}"
+    o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), torch.empty_like(got["u"]), None,
+                                x.cu_seqlens, None, True, groups=1)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens)
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+
+
+@needs_clang
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
 @pytest.mark.parametrize("groups", [1, 3, 4])
 def test_paged_cache_and_checkpoints(target, groups, monkeypatch):

@@ -188,9 +188,13 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   auto chunk_rows = [&](const Strided& s) -> const T* {
     return static_cast<const T*>(s.ptr) + static_cast<int64_t>(t0) * s.token + static_cast<int64_t>(h) * s.head;
   };
+  // (and a chunk's row offsets inside 32 bits: the pieces' offsets are 32-bit)
   auto aligned_rows = [&](const Strided& s, const T* base) {
-    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && s.token % (16 / static_cast<int>(sizeof(T))) == 0;
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && s.token % (16 / static_cast<int>(sizeof(T))) == 0 &&
+           s.token < (int64_t{1} << 31) / C;
   };
+  // Whether this thread's row m of a [C][D] pass lies inside the chunk.
+  auto row_in = [&](int m) { return r8 + m * RSTEP8 < valid; };
   auto plain_band = [&](const Strided& s, const T* base) {
     return (Cfg::kConvWidth == 0 || a.conv_weight == nullptr) && aligned_rows(s, base);
   };
@@ -205,23 +209,20 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     const T* base = chunk_rows(s);
     const bool plain = plain_band(s, base);
     if (plain) {
-      // this thread's pieces (r8 + m RSTEP8, c8): one 64-bit row pointer, stepped
+      // this thread's pieces (r8 + m RSTEP8, c8): 32-bit offsets from the chunk's row
       static_assert(sizeof(T) == 2, "16-bit planes");
-      const T* src = base + r8 * s.token + c8;
-      const int64_t step = RSTEP8 * s.token;
+      const int tok = static_cast<int>(s.token), off = r8 * tok + c8;
       T* d0 = dst + r8 * LDK + c8;
       if constexpr (kAsync) {
 #pragma unroll
-        for (int m = 0; m < ITERS8; ++m) {
-          const bool in = r8 + m * RSTEP8 < valid;  // zero-filled past the end, from a valid address
-          async::copy16(d0 + m * RSTEP8 * LDK, in ? src + m * step : base, in);
-        }
+        for (int m = 0; m < ITERS8; ++m)  // zero-filled past the end, from a valid address
+          async::copy16(d0 + m * RSTEP8 * LDK, base + (row_in(m) ? off + m * RSTEP8 * tok : 0), row_in(m));
       } else {
         uint4 buf[ITERS8];
 #pragma unroll
         for (int m = 0; m < ITERS8; ++m) {
           buf[m] = make_uint4(0, 0, 0, 0);
-          if (r8 + m * RSTEP8 < valid) buf[m] = *reinterpret_cast<const uint4*>(src + m * step);
+          if (row_in(m)) buf[m] = *reinterpret_cast<const uint4*>(base + off + m * RSTEP8 * tok);
         }
 #pragma unroll
         for (int m = 0; m < ITERS8; ++m) *reinterpret_cast<uint4*>(d0 + m * RSTEP8 * LDK) = buf[m];
@@ -265,11 +266,12 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   stage(Ks, 1, Async{});
   if constexpr (Cfg::kStageQ) stage(Qs, 0, Async{});
   async::commit();
-  for (int i = tid; i < C; i += NT)
-    bt[i] = i < valid ? sigmoid(to_float<Io>(static_cast<const T*>(a.beta.ptr)[
-                            static_cast<int64_t>(t0 + i) * a.beta.token +
-                            static_cast<int64_t>(h) * a.beta.head]))
-                      : 0.0f;
+  static_assert(C <= NT, "a thread per row of beta");
+  if (tid < C)
+    bt[tid] = tid < valid ? sigmoid(to_float<Io>(static_cast<const T*>(a.beta.ptr)[
+                                static_cast<int64_t>(t0 + tid) * a.beta.token +
+                                static_cast<int64_t>(h) * a.beta.head]))
+                          : 0.0f;
   {
     // The per-step gate (log2 units) into the G plane, zero past the end, from 16-byte
     // loads of the raw gate where its rows are aligned. A thread keeps its pieces' column
@@ -277,18 +279,20 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     constexpr int VEC = 8;
     const float a_exp = __expf(a.a_log[h]);
     const T* base = chunk_rows(a.g);
-    const bool plain = aligned_rows(a.g, base);
-    const T* src = base + r8 * a.g.token + c8;
-    const int64_t step = RSTEP8 * a.g.token;
     uint4 buf[ITERS8];
+    if (aligned_rows(a.g, base)) {  // 32-bit offsets from the chunk's row
+      const int tok = static_cast<int>(a.g.token), off = r8 * tok + c8;
 #pragma unroll
-    for (int m = 0; m < ITERS8; ++m) {
-      const int i = r8 + m * RSTEP8;
-      buf[m] = make_uint4(0, 0, 0, 0);
-      if (i < valid) {
-        if (plain) {
-          buf[m] = *reinterpret_cast<const uint4*>(src + m * step);
-        } else {  // an unaligned view: element by element into the same word
+      for (int m = 0; m < ITERS8; ++m) {
+        buf[m] = make_uint4(0, 0, 0, 0);
+        if (row_in(m)) buf[m] = *reinterpret_cast<const uint4*>(base + off + m * RSTEP8 * tok);
+      }
+    } else {  // an unaligned view: element by element into the same words
+#pragma unroll
+      for (int m = 0; m < ITERS8; ++m) {
+        const int i = r8 + m * RSTEP8;
+        buf[m] = make_uint4(0, 0, 0, 0);
+        if (i < valid) {
           uint32_t w[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j)
@@ -647,21 +651,37 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     {
       uint16_t* Km = reinterpret_cast<uint16_t*>(Ks);
       uint16_t* Qm = reinterpret_cast<uint16_t*>(Qs);
+      // The block's first / last row of G, for this thread's columns: read once where the
+      // chunk is one block (chunk 16), else per row (the block may change).
+      float gf[8], gl[8];
+      auto block_rows = [&](int b) {
+        load8g(Gs + 16 * b * LDG, c8, gf);
+        load8g(Gs + (16 * b + 15) * LDG, c8, gl);
+      };
+      if constexpr (NB == 1) block_rows(0);
+      // One block (chunk 16): the only product on the matrix units is the diagonal block's,
+      // so Kb takes its column scale there and then (Kb_j = k^_j 2^(G_f - G_j), one rounding,
+      // no scale_k in P5) where the block's span lets it (dmma); the kg_t pass divides it out.
+      if constexpr (NB == 1) {
+        const bool kb_diag = dmma[0] != 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) gl[j] = kb_diag ? gf[j] : gl[j];  // Kb's reference row
+      }
 #pragma unroll 2
       for (int m = 0; m < ITERS8; ++m) {
-        const int i = r8 + m * RSTEP8, c = c8, b = block8(m);
-        float k8[8], q8[8], g[8], gf[8], gl[8], pf[8];
+        const int i = r8 + m * RSTEP8, c = c8;
+        float k8[8], q8[8], g[8], pf[8];
+        if constexpr (NB > 1) block_rows(block8(m));
+        load8g(Pv + block8(m) * D, c, pf);
         unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + c), k8);
         unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + i * LDK + c), q8);
         load8g(Gs + i * LDG, c, g);
-        load8g(Gs + 16 * b * LDG, c, gf);
-        load8g(Gs + (16 * b + 15) * LDG, c, gl);
-        load8g(Pv + b * D, c, pf);
         const float ri = rk[i], qi = rq[i], bi = bt[i];
         float ka[8], qa[8], kb[8], w8[8], qo[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float up = exp2_fast(g[j] - gf[j]), down = exp2_fast(gl[j] - g[j]);  // both <= 1
+          const float up = exp2_fast(g[j] - gf[j]);  // <= 1
+          const float down = exp2_fast(gl[j] - g[j]);  // <= 1 (<= 2^kDiagSpan from G_f)
           const float kn = ri * k8[j];
           ka[j] = kn * up;
           qa[j] = qi * q8[j] * up;
@@ -678,7 +698,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     }
     __syncthreads();
 
-    // kg_t [D][C] from the Kb plane: k^_j 2^(G_last - G_j) = Kb_j 2^(G_last - G_l(j)), a thread
+    // kg_t [D][C] from the Kb plane: k^_j 2^(G_last - G_j) = Kb_j 2^(G_last - G_l(j)) (/ 2^(G_f - G_l)
+    // where P4 scaled the one block), a thread
     // per 8 consecutive rows of one column (one block, one factor); rows past the end
     // are zero in Kb (rk = 0). Nothing after reads it here: no barrier before P5.
     {
@@ -687,7 +708,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
 #pragma unroll
       for (int m = 0; m < ITERS; ++m) {
         const int e = tid + m * NT, d = e % D, i0 = (e / D) * VEC;
-        const float f = Lv[(i0 / 16) * D + d];
+        float f = Lv[(i0 / 16) * D + d];
+        if constexpr (NB == 1) {
+          if (dmma[0] != 0) f = __fdividef(f, Sv[PAIRS * D + d]);  // Kb took 2^(G_f - G_l) in P4
+        }
         float out8[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) out8[j] = to_float<Mx>(KB[(i0 + j) * LDK + d]) * f;
@@ -731,7 +755,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
           const mma::Frag ak = mma::load_a_smem(KA + 16 * bi * LDK + 16 * kt, LDK);
           const mma::Frag aq = mma::load_a_smem(Qm + 16 * bi * LDK + 16 * kt, LDK);
           mma::Frag b = mma::load_b_smem(KB + 16 * bj * LDK + 16 * kt, LDK);
-          mma::scale_k<Mx>(b, Sv + p * D + 16 * kt);
+          if constexpr (NB > 1) mma::scale_k<Mx>(b, Sv + p * D + 16 * kt);  // else scaled in P4
           mma::mma<Mx>(accL, ak, b);
           mma::mma<Mx>(accQ, aq, b);
         }
