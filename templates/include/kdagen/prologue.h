@@ -27,7 +27,8 @@
 // each 16-row block as reference on the row side and its last row on the column side:
 //   Ka_i = k^_i 2^(G_i - G_f(i)),  Qa_i = q^_i 2^(G_i - G_f(i)),  Kb_j = k^_j 2^(G_l(j) - G_j),
 // and a block pair (bi, bj) multiplies Kb by the per-channel scale 2^(G_f(bi) - G_l(bj))
-// inside its fragments. Every factor of an off-diagonal pair is <= 1; a diagonal block
+// inside its fragments (at chunk 16, one block, P4 writes Kb with the diagonal block's
+// scale already in, k^_j 2^(G_f - G_j), where the span lets it use the matrix units). Every factor of an off-diagonal pair is <= 1; a diagonal block
 // takes the matrix units when its span G_f - G_l stays within kDiagSpan (else the exact
 // per-pair path below). w and u come from (I + L)^-1 in bf16 times b k^ 2^G and b v
 // (ldmatrix-transposed operands), staged through LDS for 16-byte stores like aqk.
@@ -184,11 +185,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   };
 
   // The chunk's first row of this head in a strided input, and whether its rows can be
-  // read as 16-byte pieces (aligned; for q / k / v also no conv to apply).
+  // read as 16-byte pieces (aligned, a chunk's row offsets inside 32 bits; for q / k / v
+  // also no conv to apply).
   auto chunk_rows = [&](const Strided& s) -> const T* {
     return static_cast<const T*>(s.ptr) + static_cast<int64_t>(t0) * s.token + static_cast<int64_t>(h) * s.head;
   };
-  // (and a chunk's row offsets inside 32 bits: the pieces' offsets are 32-bit)
   auto aligned_rows = [&](const Strided& s, const T* base) {
     return reinterpret_cast<uintptr_t>(base) % 16 == 0 && s.token % (16 / static_cast<int>(sizeof(T))) == 0 &&
            s.token < (int64_t{1} << 31) / C;
@@ -698,10 +699,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     }
     __syncthreads();
 
-    // kg_t [D][C] from the Kb plane: k^_j 2^(G_last - G_j) = Kb_j 2^(G_last - G_l(j)) (/ 2^(G_f - G_l)
-    // where P4 scaled the one block), a thread
-    // per 8 consecutive rows of one column (one block, one factor); rows past the end
-    // are zero in Kb (rk = 0). Nothing after reads it here: no barrier before P5.
+    // kg_t [D][C] from the Kb plane: k^_j 2^(G_last - G_j) = Kb_j 2^(G_last - G_l(j)) (over
+    // 2^(G_f - G_l) where P4 scaled the chunk's one block), a thread per 8 consecutive rows
+    // of one column (one block, one factor); rows past the end are zero in Kb (rk = 0).
+    // Nothing after reads it here: no barrier before P5.
     {
       constexpr int VEC = 8, PIECES = D * (C / VEC), ITERS = PIECES / NT;
       static_assert(PIECES % NT == 0, "the kg_t pieces spread evenly");
