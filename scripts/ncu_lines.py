@@ -1,6 +1,7 @@
 """Per-source-line totals of an Nsight Compute SASS profile:
 
     python3 scripts/ncu_lines.py sass.csv[.gz] listing.sass prologue_kernel [top]
+    python3 scripts/ncu_lines.py --memory sass.csv[.gz] listing.sass prologue_kernel [top]
     python3 scripts/ncu_lines.py --listing OUT.sass shape gate chunk width   (writes the listing)
 
 `sass.csv` is `ncu -i rep --page source --csv --print-source sass` (one row per SASS
@@ -10,7 +11,9 @@ with the same nvcc and flags plus -lineinfo (which leaves the code as it is): it
 `//## File ..., line N` markers name the template line of every instruction offset (the
 csv's kernel name picks the instance: the chunk scan's three modes). The
 two are joined by the offset from the kernel's first instruction; rows whose opcodes
-disagree are counted (a different compiler or flag shows up there).
+disagree are counted (a different compiler or flag shows up there). `--memory` ranks the
+lines by shared-memory wavefronts instead, with their L2 sectors and the excess of both
+(what the csv of `--set full` carries), per launch unit given as [per] (default 1).
 """
 
 from __future__ import annotations
@@ -112,6 +115,15 @@ def _opcode(sass: str) -> str:
     return words[0] if words else ""
 
 
+# The SASS page's memory columns that --memory sums per line, and their short names.
+MEMORY = {
+    "L1 Wavefronts Shared": "shared",
+    "L1 Wavefronts Shared Excessive": "shared_excess",
+    "L2 Theoretical Sectors Global": "l2",
+    "L2 Theoretical Sectors Global Excessive": "l2_excess",
+}
+
+
 def per_line(rows: list[dict[str, str]], listing: dict[int, tuple[Line, str]]
              ) -> tuple[dict[Line, collections.Counter], int]:
     """Sums per source line of instructions executed, stall samples and each stall reason;
@@ -131,6 +143,8 @@ def per_line(rows: list[dict[str, str]], listing: dict[int, tuple[Line, str]]
         a["samples"] += _num(r.get("Warp Stall Sampling (All Samples)", "0"))
         for c in reasons:
             a[c[len("stall_"):]] += _num(r[c])
+        for c, short in MEMORY.items():
+            a[short] += _num(r.get(c, "0"))
     return dict(agg), mismatched
 
 
@@ -144,6 +158,19 @@ def report(agg: dict[Line, collections.Counter], top: int = 40) -> str:
         why = sorted(((v, k) for k, v in a.items() if k not in ("inst", "samples")), reverse=True)[:3]
         out.append(f"{name}:{line:<5d} samples {100 * a['samples'] / ts:5.1f}%  inst {100 * a['inst'] / ti:5.1f}%  "
                    + " ".join(f"{k} {v / max(a['samples'], 1.0):.2f}" for v, k in why))
+    return "\n".join(out)
+
+
+def memory_report(agg: dict[Line, collections.Counter], top: int = 40, per: float = 1.0) -> str:
+    """The `top` lines by shared-memory wavefronts: instructions, wavefronts and L2 sectors
+    (each with its excess) per `per` (the launch's blocks, say, for per-block figures)."""
+    tot = collections.Counter()
+    for a in agg.values():
+        tot.update({k: a[k] for k in ("inst", *MEMORY.values())})
+    fmt = lambda a: " ".join(f"{k} {a[k] / per:.1f}" for k in ("inst", *MEMORY.values()))  # noqa: E731
+    out = [f"total: {fmt(tot)}"]
+    for (name, line), a in sorted(agg.items(), key=lambda kv: -kv[1]["shared"])[:top]:
+        out.append(f"{name}:{line:<5d} {fmt(a)}")
     return "\n".join(out)
 
 
@@ -182,6 +209,9 @@ def main(argv: list[str]) -> int:
                                  "block_width": int(width)})
         print(compile_listing(spec, Path(argv[2])))
         return 0
+    memory = len(argv) > 1 and argv[1] == "--memory"
+    if memory:
+        argv = argv[:1] + argv[2:]
     if len(argv) < 4:
         print(__doc__)
         return 2
@@ -189,7 +219,11 @@ def main(argv: list[str]) -> int:
     listing = read_listing(argv[2], mangled_pattern(argv[3], name))
     agg, bad = per_line(rows, listing)
     print(f"{len(rows)} SASS rows, {bad} not matching the listing")
-    print(report(agg, int(argv[4]) if len(argv) > 4 else 40))
+    top = int(argv[4]) if len(argv) > 4 else 40
+    if memory:
+        print(memory_report(agg, top, float(argv[5]) if len(argv) > 5 else 1.0))
+    else:
+        print(report(agg, top))
     return 0
 
 

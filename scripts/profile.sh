@@ -2,8 +2,9 @@
 # Profile the prologue and the chunk scan with Nsight Compute on one bench shape
 # (built with -lineinfo so the source page maps SASS to template lines).
 #   bash scripts/profile.sh [shape] [gate] [chunk] [width]   e.g. 1x32768:32 lower_bound 32 128
-# Writes $OUT/details_{prologue,chunk}.txt, sass_*.csv.gz (the SASS page) and lines_*.txt
-# (stall samples and instructions per template line: scripts/ncu_lines.py); the reports
+# Writes $OUT/details_{prologue,chunk}.txt, sass_*.csv.gz (the SASS page), lines_*.txt
+# (stall samples and instructions per template line: scripts/ncu_lines.py) and mem_*.txt
+# (shared wavefronts and L2 sectors per line, whole launch: ncu_lines.py --memory); the reports
 # stay in /tmp/kdagen-ncu (few files come back from the device tool).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ for k in prologue_kernel chunk_kernel; do
   ncu -i "$REP/$name.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1
   ncu -i "$REP/$name.ncu-rep" --page source --csv --print-source sass | gzip > "$OUT/sass_$name.csv.gz"
   python3 scripts/ncu_lines.py "$OUT/sass_$name.csv.gz" "$REP/listing.sass" "$k" 30 > "$OUT/lines_$name.txt" 2>&1
+  python3 scripts/ncu_lines.py --memory "$OUT/sass_$name.csv.gz" "$REP/listing.sass" "$k" 30 > "$OUT/mem_$name.txt" 2>&1
   grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|Compute \(SM\)|Shared Memory Configuration Size|Block Limit" "$OUT/details_$name.txt" | head -n 20
   head -n 25 "$OUT/lines_$name.txt"
 done

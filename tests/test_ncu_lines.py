@@ -96,3 +96,28 @@ def test_the_csv_kernel_name_picks_one_mode_of_the_walk(tmp_path):
     for demangled, op in [("void kdagen::chunk_kernel<kdagen::Config, (int)0, (bool)1>(kdagen::ChunkArgs)", "BAR"),
                           ("void kdagen::chunk_kernel<kdagen::Config, (int)0, (bool)0>(kdagen::ChunkArgs)", "RET")]:
         assert ncu_lines.read_listing(lst, ncu_lines.mangled_pattern("chunk_kernel", demangled))[0][1] == op
+
+
+def test_memory_columns_sum_per_line(tmp_path):
+    """--memory: shared wavefronts and L2 sectors (with their excess) per line, ranked by
+    the wavefronts, divided by the launch unit given."""
+    header = ["Address", "Source", "Instructions Executed", "L1 Wavefronts Shared",
+              "L1 Wavefronts Shared Excessive", "L2 Theoretical Sectors Global",
+              "L2 Theoretical Sectors Global Excessive"]
+    rows = [["0x7f0000001000", "LDC R1, c[0x0][0x28]", "4", "0", "0", "0", "0"],
+            ["0x7f0000001010", "S2R R31, SR_CTAID.X", "4", "8", "2", "0", "0"],
+            ["0x7f0000001020", "@!P0 STG.E.128 desc[UR12][R14.64], R8", "4", "0", "0", "64", "32"],
+            ["0x7f0000001030", "EXIT", "4", "0", "0", "0", "0"]]
+    csv_path = tmp_path / "m.csv"
+    csv_path.write_text("\n".join(['"Kernel Name","prologue_kernel",""', ",".join(f'"{h}"' for h in header)]
+                                   + [",".join(f'"{c}"' for c in r) for r in rows]) + "\n")
+    listing = tmp_path / "listing.sass"
+    listing.write_text(LISTING)
+    _, got = ncu_lines.read_ncu_sass(csv_path)
+    agg, bad = ncu_lines.per_line(got, ncu_lines.read_listing(listing, "prologue_kernel"))
+    assert bad == 0
+    assert agg[("prologue.h", 136)]["shared"] == 8 and agg[("prologue.h", 136)]["shared_excess"] == 2
+    assert agg[("prologue.h", 647)]["l2"] == 64 and agg[("prologue.h", 647)]["l2_excess"] == 32
+    text = ncu_lines.memory_report(agg, 2, per=4.0).splitlines()
+    assert text[0] == "total: inst 4.0 shared 2.0 shared_excess 0.5 l2 16.0 l2_excess 8.0"
+    assert text[1].startswith("prologue.h:136") and "shared 2.0" in text[1]
