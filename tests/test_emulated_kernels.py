@@ -198,19 +198,19 @@ def test_strong_decay_stays_finite_and_exact(target, gate):
     assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
 
 
-@needs_clang
-@pytest.mark.parametrize("target", ["sm_90", "gfx950"])
-def test_diagonal_blocks_take_both_paths_in_one_chunk(target):
-    """Planar prologue: a softplus gate that is strong in the first 16 rows of every
-    chunk and faint in the rest, so that one chunk sends one diagonal block through the
-    exact per-pair path (span far past kDiagSpan) and the other through the matrix units."""
-    C = 32
-    kern = emulated(head_dim=64, chunk_size=C, target=target)
-    x = make_inputs(lens_for(C), 2, 64, device="cpu", strong_decay=True, seed=11)
+def faint_gate_where(x, faint) -> None:
+    """Make x's strong softplus gate faint (softplus(-6) e^1: ~7e-3 per step) at the
+    tokens whose position i in their sequence has faint(i)."""
+    H, D = x.g.shape[2], x.g.shape[3]
     for a, b in zip(x.cu_seqlens.tolist(), x.cu_seqlens.tolist()[1:]):
         for t in range(a, b):
-            if (t - a) % C >= 16:
-                x.g[0, t] = -6.0 - x.dt_bias.view(2, 64)  # softplus(-6) e^1: ~7e-3 per step
+            if faint(t - a):
+                x.g[0, t] = -6.0 - x.dt_bias.view(H, D)
+
+
+def check_prologue_and_single_walk(kern, x, C: int) -> None:
+    """Every prologue output against the reference, then the single walk's output and
+    final state against the token recurrence."""
     got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
     want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
                                         cu_seqlens=x.cu_seqlens, chunk_size=C)
@@ -222,6 +222,19 @@ def test_diagonal_blocks_take_both_paths_in_one_chunk(target):
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
                                                   cu_seqlens=x.cu_seqlens)
     assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+
+
+@needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx950"])
+def test_diagonal_blocks_take_both_paths_in_one_chunk(target):
+    """Planar prologue: a softplus gate that is strong in the first 16 rows of every
+    chunk and faint in the rest, so that one chunk sends one diagonal block through the
+    exact per-pair path (span far past kDiagSpan) and the other through the matrix units."""
+    C = 32
+    kern = emulated(head_dim=64, chunk_size=C, target=target)
+    x = make_inputs(lens_for(C), 2, 64, device="cpu", strong_decay=True, seed=11)
+    faint_gate_where(x, lambda i: i % C >= 16)
+    check_prologue_and_single_walk(kern, x, C)
 
 
 @needs_clang
@@ -236,21 +249,8 @@ def test_chunk_16_diagonal_block_both_ways(target, monkeypatch):
     C = 16
     kern = emulated(head_dim=64, chunk_size=C, target=target)
     x = make_inputs(lens_for(C) + [5 * C + 3], 2, 64, device="cpu", strong_decay=True, seed=29)
-    for a, b in zip(x.cu_seqlens.tolist(), x.cu_seqlens.tolist()[1:]):
-        for t in range(a, b):
-            if ((t - a) // C) % 2 == 1:
-                x.g[0, t] = -6.0 - x.dt_bias.view(2, 64)  # softplus(-6) e^1: ~7e-3 per step
-    got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
-    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
-                                        cu_seqlens=x.cu_seqlens, chunk_size=C)
-    for name in OPS:
-        err = rel_err(got[name], want[name].to(got[name].dtype))
-        assert err < TOL, f"{name}: rel err {err:.3e}"
-    o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), torch.empty_like(got["u"]), None,
-                                x.cu_seqlens, None, True, groups=1)
-    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
-                                                  cu_seqlens=x.cu_seqlens)
-    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+    faint_gate_where(x, lambda i: (i // C) % 2 == 1)
+    check_prologue_and_single_walk(kern, x, C)
 
 
 @needs_clang
