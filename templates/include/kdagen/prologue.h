@@ -659,11 +659,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         load8g(Gs + 16 * b * LDG, c8, gf);
         load8g(Gs + (16 * b + 15) * LDG, c8, gl);
       };
-      if constexpr (NB == 1) block_rows(0);
       // One block (chunk 16): the only product on the matrix units is the diagonal block's,
       // so Kb takes its column scale there and then (Kb_j = k^_j 2^(G_f - G_j), one rounding,
       // no scale_k in P5) where the block's span lets it (dmma); the kg_t pass divides it out.
       if constexpr (NB == 1) {
+        block_rows(0);
         const bool kb_diag = dmma[0] != 0;
 #pragma unroll
         for (int j = 0; j < 8; ++j) gl[j] = kb_diag ? gf[j] : gl[j];  // Kb's reference row
