@@ -6,6 +6,10 @@
 # (stall samples and instructions per template line: scripts/ncu_lines.py) and mem_*.txt
 # (shared wavefronts and L2 sectors per line, whole launch: ncu_lines.py --memory); the reports
 # stay in /tmp/kdagen-ncu (few files come back from the device tool).
+# KDAGEN_NCU_KERNELS (default "prologue_kernel chunk_kernel") picks the kernels and
+# KDAGEN_NCU_SKIP (default 1) how many of each kernel's launches to skip: at a grouped shape
+# the chunk scan launches pass one then pass two per call, so 2 profiles the second call's
+# pass one and 1 the first call's pass two.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdagen-out}; mkdir -p "$OUT"
@@ -15,9 +19,9 @@ shape=${1:-1x32768:32}; gate=${2:-lower_bound}; chunk=${3:-64}; width=${4:-128}
 python3 scripts/profile_kernels.py "$shape" "$gate" "$chunk" "$width" || exit 1
 REP=/tmp/kdagen-ncu; mkdir -p "$REP"
 python3 scripts/ncu_lines.py --listing "$REP/listing.sass" "$shape" "$gate" "$chunk" "$width" > /dev/null || exit 1
-for k in prologue_kernel chunk_kernel; do
+for k in ${KDAGEN_NCU_KERNELS:-prologue_kernel chunk_kernel}; do
   name=${k%_kernel}
-  ncu --clock-control none -k "regex:$k" --launch-skip 1 --launch-count 1 --set full \
+  ncu --clock-control none -k "regex:$k" --launch-skip "${KDAGEN_NCU_SKIP:-1}" --launch-count 1 --set full \
     --import-source yes -f -o "$REP/$name" python3 scripts/profile_kernels.py "$shape" "$gate" "$chunk" "$width" \
     > "$REP/ncu_$name.log" 2>&1 || tail -n 20 "$REP/ncu_$name.log"
   ncu -i "$REP/$name.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1

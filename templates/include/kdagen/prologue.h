@@ -95,6 +95,14 @@ template <bool B> struct AsyncTag { static constexpr bool value = B; };
 // steps of a block (span 108); fp16 (max 2^16, floor 2^-24) allows 8.
 template <DType Mx> constexpr float kDiagSpan = Mx == DType::kBF16 ? 110.0f : 8.0f;
 
+// softplus in log2 units: log2(1 + 2^y) = max(y, 0) + log2(1 + 2^-|y|), one exp2 and one
+// log2 instruction (log2_fast's argument lies in [1, 2]). It equals softplus(x) log2(e) for
+// y = x log2(e), FLA's threshold included: past x = 20, 1 + 2^-28.9 rounds to 1 in fp32,
+// so the result is y itself.
+__device__ __forceinline__ float softplus_log2(float y) {
+  return fmaxf(y, 0.0f) + log2_fast(1.0f + exp2_fast(-fabsf(y)));
+}
+
 // Largest |lower_bound| for which the diagonal blocks use the matrix units: their
 // factors stay below 2^(8 * 8 / ln 2) = 2^92 and multiply normalised rows (|x| <= 1),
 // far inside bf16's range.
@@ -304,16 +312,14 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       }
     }
     // lower bound: lb log2(e) sigmoid(a_exp (x + bias)) = lb2 / (1 + 2^(x na + bias na)),
-    // na = -a_exp log2(e); softplus: gate_log2 of x + bias
+    // na = -a_exp log2(e); softplus: -a_exp softplus_log2((x + bias) log2(e))
     const float* bias = a.dt_bias + h * D + c8;
     const float4 b0 = *reinterpret_cast<const float4*>(bias);
     const float4 b1 = *reinterpret_cast<const float4*>(bias + 4);
     const float na = -a_exp * kLog2e, lb2 = a.lower_bound * kLog2e;
     float bs[VEC] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-    if constexpr (Cfg::kLowerBound) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) bs[j] *= na;
-    }
+    for (int j = 0; j < VEC; ++j) bs[j] *= Cfg::kLowerBound ? na : kLog2e;
 #pragma unroll
     for (int m = 0; m < ITERS8; ++m) {
       const int i = r8 + m * RSTEP8;
@@ -326,9 +332,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       for (int j = 0; j < VEC; ++j) {
         if constexpr (Cfg::kLowerBound) {
           gv[j] = __fdividef(lbi, 1.0f + exp2_fast(fmaf(raw8[j], na, bs[j])));
-        } else {
-          const float x = gate_log2<false>(raw8[j] + bs[j], a_exp, a.lower_bound);
-          gv[j] = in ? x : 0.0f;
+        } else {  // see softplus_log2
+          gv[j] = in ? -a_exp * softplus_log2(fmaf(raw8[j], kLog2e, bs[j])) : 0.0f;
         }
       }
       float* row = Gs + i * LDG;

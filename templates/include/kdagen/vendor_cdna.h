@@ -49,6 +49,17 @@ __device__ __forceinline__ float exp2_fast(float x) {
 #endif
 }
 
+// log2(x) in one instruction (v_log_f32), for arguments in [1, 2] (the softplus gate's).
+__device__ __forceinline__ float log2_fast(float x) {
+#if defined(KDAGEN_EMULATE)
+  return kdagen_emu::log2_approx(x);
+#else
+  float y;
+  asm("v_log_f32 %0, %1" : "=v"(y) : "v"(x));
+  return y;
+#endif
+}
+
 // Order this lane's LDS writes before the other lanes' reads that follow (a wave runs in
 // lockstep; the fences keep the compiler from moving LDS accesses across).
 __device__ __forceinline__ void wave_sync() {
