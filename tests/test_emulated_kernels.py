@@ -428,6 +428,28 @@ def test_lower_bound_diagonal_blocks_survive_huge_raw_inputs(target):
 
 
 @needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx950"])
+def test_softplus_gate_over_its_whole_input_range(target):
+    """The prologue's softplus gate in log2 units (max(y, 0) + log2(1 + 2^-|y|)) against
+    torch's softplus with FLA's threshold, for x + bias from -60 to 60: past x = 20 the
+    gate is x itself, far below 0 it vanishes. The chunk decay (fp32) to 1e-5 and the
+    16-bit outputs to TOL; a dropped max(y, 0) or a lost sign fails both."""
+    C = 16
+    kern = emulated(head_dim=64, chunk_size=C, target=target)
+    x = make_inputs([C + 3, 2 * C + 5], 2, 64, device="cpu", seed=37)
+    x.A_log.fill_(-3.0)  # a_exp 0.05: at most -3 per step, so chunks keep their decay
+    x.dt_bias.zero_()
+    gen = torch.Generator().manual_seed(5)
+    x.g.copy_((torch.rand(x.g.shape, generator=gen) * 120.0 - 60.0).to(x.g.dtype))
+    got = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+    want = ref.chunk_prologue_reference(*x.args(), cu_seqlens=x.cu_seqlens, chunk_size=C)
+    assert rel_err(got["decay"], want["decay"]) < 1e-5, rel_err(got["decay"], want["decay"])
+    for name in ("qg", "w", "u", "kg_t", "aqk"):
+        err = rel_err(got[name], want[name].to(got[name].dtype))
+        assert err < TOL, f"{name}: rel err {err:.3e}"
+
+
+@needs_clang
 @pytest.mark.parametrize("target, pass_one_stages", [("sm_90", 0), ("sm_90", 3), ("gfx942", 0)])
 def test_every_group_count_matches_the_single_walk(target, pass_one_stages, monkeypatch):
     """The two-pass group scan against the single walk, for group counts that split
