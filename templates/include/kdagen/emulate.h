@@ -97,11 +97,12 @@ inline unsigned char* smem() { return block.smem; }
 inline void syncthreads() { block.bar->arrive_and_wait(); }
 inline void wave_barrier() { my_wave().bar->arrive_and_wait(); }
 // 2^x with results below 2^-126 flushed to zero (the hardware forms of exp2_fast)
-inline float log2_approx(float x) { return std::log2(x); }  // log2_fast's arguments lie in [1, 2]
 inline float exp2_ftz(float x) {
   const float y = std::exp2(x);
   return y < 0x1p-126f ? 0.0f : y;
 }
+// log2(x) for log2_fast, whose arguments lie in [1, 2] (no subnormals to flush)
+inline float log2_approx(float x) { return std::log2(x); }
 
 inline float shfl_xor(float x, int o) {
   Wave& w = my_wave();
