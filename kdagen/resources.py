@@ -190,6 +190,14 @@ CHUNK_WGMMA = False
 # spilled 20 bytes at c16: not timed.)
 CHUNK_U_APART = True
 
+# The grouped walk's pass one with a block's state rows and transfer rows together (each
+# wave 16 of each: the w / kg_t fragments, the decay and each chunk's copies shared by the
+# pair, the block alone on its compute unit with up to 255 registers) instead of separate
+# blocks. Off: not timed yet. ncu on pass one (H200, c16, 1x32768x32, docs/NOTES.md v20)
+# put its LDS wavefronts (78% of peak, the highest unit) at 142 per warp and chunk, about
+# 96 of them the w / kg_t / decay reads that pairing halves per row.
+PASS_ONE_PAIRED = False
+
 
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:
     """Whether the chunk scan issues its products per warpgroup: where the target has them,

@@ -450,14 +450,17 @@ def test_softplus_gate_over_its_whole_input_range(target):
 
 
 @needs_clang
-@pytest.mark.parametrize("target, pass_one_stages", [("sm_90", 0), ("sm_90", 3), ("gfx942", 0)])
-def test_every_group_count_matches_the_single_walk(target, pass_one_stages, monkeypatch):
+@pytest.mark.parametrize("target, pass_one_stages, paired", [
+    ("sm_90", 0, False), ("sm_90", 3, False), ("gfx942", 0, False), ("sm_90", 3, True), ("gfx942", 0, True)])
+def test_every_group_count_matches_the_single_walk(target, pass_one_stages, paired, monkeypatch):
     """The two-pass group scan against the single walk, for group counts that split
     one long walk evenly, unevenly and into groups of one chunk (workspace poisoned:
     a plane read before it is written shows as NaN); on sm_90 also with pass one
-    buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two."""
+    buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two, and
+    with pass one's state and transfer rows paired in one block (PASS_ONE_PAIRED)."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
     monkeypatch.setattr(resources, "PASS_ONE_STAGES", pass_one_stages)
+    monkeypatch.setattr(resources, "PASS_ONE_PAIRED", paired)
     if pass_one_stages:
         from kdagen.render import chunk_plan_for
         from kdagen.spec import KernelSpec
@@ -473,6 +476,27 @@ def test_every_group_count_matches_the_single_walk(target, pass_one_stages, monk
     for g in (2, 3, 4, 10):
         og, sg = run(g)
         assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2, g
+
+
+@needs_clang
+@pytest.mark.parametrize("target, head_dim", [("sm_90", 128), ("gfx950", 64)])
+def test_paired_pass_one_at_chunk_16(target, head_dim, monkeypatch):
+    """Pass one with its state and transfer rows in one block (PASS_ONE_PAIRED) in the
+    shipped chunk-16 form (u formed from v with akk; on sm_90 the d128 / bv128 variant):
+    outputs and end states against the reference at 3 and 4 groups, outputs and the
+    workspace poisoned."""
+    from kdagen.render import render
+
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    monkeypatch.setattr(resources, "PASS_ONE_PAIRED", True)
+    C, D, H = 16, head_dim, 1
+    kern = emulated(head_dim=D, chunk_size=C, gate="lower_bound", target=target)
+    assert "kPassOnePaired = true;" in render(kern.spec).files["kernels.hip"]
+    x = make_inputs([C * 6 + 5, C * 3, 7], H, D, device="cpu", gate="lower_bound", seed=43)
+    init = torch.randn(3, H, D, D, generator=torch.Generator().manual_seed(6)) * 0.1
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
+    check_deferred_u(kern, x, init, o_ref, s_ref, groups=(3, 4))
 
 
 @needs_clang

@@ -145,6 +145,7 @@ def test_default_constexprs():
         "kStageUO": "true",
         "kChunkWgmma": "false",  # resources.CHUNK_WGMMA: per-wave mma.sync (measured faster)
         "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
+        "kPassOnePaired": "false",  # resources.PASS_ONE_PAIRED: pass one's state and transfer rows apart (not timed paired)
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -244,6 +245,17 @@ def test_warpgroup_products_where_the_target_and_block_have_them(spec, wgmma, mo
 def test_warpgroup_products_off_by_default():
     assert not resources.CHUNK_WGMMA
     assert constexprs(kernels(dict(chunk_size=16)))["kChunkWgmma"] == "false"
+
+
+def test_paired_pass_one_off_by_default_and_never_with_warpgroup_products(monkeypatch):
+    """PASS_ONE_PAIRED reaches the Config (and with it pass one's grid and launch bound)
+    only where the walk takes the per-wave products."""
+    assert not resources.PASS_ONE_PAIRED
+    assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
+    monkeypatch.setattr(resources, "PASS_ONE_PAIRED", True)
+    assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "true"
+    monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
+    assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
 
 
 def test_warpgroup_tiles_drop_the_ldmatrix_padding():

@@ -134,8 +134,17 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
   return nullptr;
 }
 
+// Cfg::kPassOnePaired: a pass-one block walks V state rows and K transfer rows at once,
+// each wave 16 of each (two 16-row tiles, S and S1): the w and kg_t fragments and the
+// decay are read once for both, and each chunk is copied once per pair. The block holds
+// twice the state registers (128 per lane on wave32) and runs alone on its compute unit
+// (launch bound 1): the same state rows per unit as two unpaired blocks.
+template <class Cfg, int kMode>
+constexpr bool kPairedWalk = kMode == kWalkPassOne && Cfg::kPassOnePaired;
+
 template <class Cfg, int kMode, bool kAkk = false>
-__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinBlocks) chunk_kernel(ChunkArgs a) {
+__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
+                                     (kPairedWalk<Cfg, kMode> ? 1 : Cfg::kChunkMinBlocks)) chunk_kernel(ChunkArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   constexpr bool kOutputs = kMode != kWalkPassOne;
@@ -143,6 +152,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
   constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
   constexpr bool kWg = Lay::kWg;
+  constexpr bool kPaired = kPairedWalk<Cfg, kMode>;
+  static_assert(!kPaired || !kWg, "paired pass-one rows take the per-wave products");
   static_assert(sizeof(T) == 2, "the chunk scan takes 16-bit operands");
 
   KDAGEN_DYNAMIC_SHARED(smem);
@@ -182,6 +193,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   // copy of the state's fragments each chunk, only of v_new's (C / 16 of them) for the
   // update, and every load and store of a state plane flips the sign once.
   mma::Acc S[KT];
+  mma::Acc S1[kPaired ? KT : 1];  // kPaired: the transfer rows row0 .. row0 + 15 of R, -R^T
   const float* init = nullptr;
   if constexpr (kMode == kWalkSingle) init = initial_plane(a, n, h, D);
   if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);
@@ -202,20 +214,25 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
       else if (init != nullptr) x = -init[static_cast<int64_t>(row0 + r) * D + 16 * kt + k];
     });
   }
+  if constexpr (kPaired) {
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+      mma::for_each(S1[kt], [&](int r, int k, float& x) { x = (row0 + r == 16 * kt + k) ? -1.0f : 0.0f; });
+  }
 
   // The state (negated back) into a plane's rows from `row`: 8-byte pieces where the vendor
   // layer has them and the plane allows (a paged cache may be a 4-byte aligned view).
-  auto store_state = [&](float* plane, int row) {
+  auto store_state = [&](mma::Acc (&St)[KT], float* plane, int row) {
     if constexpr (mma::kStateRows) {
       if (reinterpret_cast<uintptr_t>(plane) % 16 == 0) {
 #pragma unroll
-        for (int kt = 0; kt < KT; ++kt) mma::store_rows_f32(S[kt], plane + static_cast<int64_t>(row) * D + 16 * kt, D, -1.0f);
+        for (int kt = 0; kt < KT; ++kt) mma::store_rows_f32(St[kt], plane + static_cast<int64_t>(row) * D + 16 * kt, D, -1.0f);
         return;
       }
     }
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt)
-      mma::for_each(S[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * kt + k] = -x; });
+      mma::for_each(St[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * kt + k] = -x; });
   };
 
   const int ck_tokens = (kMode != kWalkPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;
@@ -483,12 +500,18 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
         store_o();
       }
     } else {
+      mma::Acc vn1[kPaired ? CT : 1];  // kPaired: the transfer rows' v_new^T (u = 0)
+#pragma unroll
+      for (int ct = 0; ct < (kPaired ? CT : 0); ++ct) mma::zero(vn1[ct]);
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
         const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
+        [[maybe_unused]] const mma::Frag s1 = kPaired ? mma::to_a<Io>(S1[kPaired ? kt : 0]) : s;
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
-          mma::mma<Io>(vn[ct], s, mma::load_b_smem(Ws + (16 * ct) * LDW + 16 * kt, LDW));
+          const mma::Frag wb = mma::load_b_smem(Ws + (16 * ct) * LDW + 16 * kt, LDW);
+          mma::mma<Io>(vn[ct], s, wb);
+          if constexpr (kPaired) mma::mma<Io>(vn1[ct], s1, wb);
           if constexpr (kMode != kWalkPassOne)
             mma::mma<Io>(o[ct], s, mma::load_b_smem(Qs + (16 * ct) * LDW + 16 * kt, LDW));
         }
@@ -522,14 +545,22 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
       }
 
       // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
+      mma::Frag va1[kPaired ? CT : 1];
 #pragma unroll
-      for (int ct = 0; ct < CT; ++ct) va[ct] = mma::neg(va[ct]);
+      for (int ct = 0; ct < CT; ++ct) {
+        va[ct] = mma::neg(va[ct]);
+        if constexpr (kPaired) va1[ct] = mma::neg(mma::to_a<Io>(vn1[ct]));
+      }
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
         mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+        if constexpr (kPaired) mma::for_each(S1[kPaired ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
 #pragma unroll
-        for (int ct = 0; ct < CT; ++ct)
-          mma::mma<Io>(S[kt], va[ct], mma::load_b_smem(KGs + (16 * kt) * LDC + 16 * ct, LDC));
+        for (int ct = 0; ct < CT; ++ct) {
+          const mma::Frag kb = mma::load_b_smem(KGs + (16 * kt) * LDC + 16 * ct, LDC);
+          mma::mma<Io>(S[kt], va[ct], kb);
+          if constexpr (kPaired) mma::mma<Io>(S1[kPaired ? kt : 0], va1[ct], kb);
+        }
       }
     }
     // ---- mid-prefill checkpoint: the state after the first ck_tokens tokens ----------------
@@ -561,7 +592,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads, Cfg::kChunkMinB
   } else if (kMode == kWalkSingle || g == last_group) {
     dst = final_plane(a, n, h, D);
   }
-  if (dst != nullptr) store_state(dst, drow);
+  if (dst != nullptr) store_state(S, dst, drow);
+  if constexpr (kPaired) store_state(S1, group_plane<Cfg>(a, 1, g, nh), row0);
 }
 
 // S_start(0) = the initial state; S_start(g + 1) = S_start(g) R_g + B_g. Writes every
