@@ -4,7 +4,7 @@ caller-owned fp32 workspace.
 The walk is serial in chunks; with few sequences x heads most of the GPU idles.
 Pass one runs ``2 * D / BV`` blocks per (sequence, head, group) (state rows plus
 transfer rows) for every group but the last, pass two ``D / BV`` for all. (Paired,
-``resources.PASS_ONE_PAIRED``, pass one runs half as many blocks, each alone on its
+``ChunkPlan.pass_one_paired``, pass one runs half as many blocks, each alone on its
 compute unit: the same slots, so the same counts.) A group
 count pays while a pass's grid still fits one scheduling batch (``resident`` walk blocks
 per compute unit, the launch bound's), or while the groups stay long enough that pass

@@ -168,6 +168,7 @@ class ChunkPlan:
     min_blocks: int = 1  # blocks the launch bound keeps resident per compute unit
     wgmma: bool = False  # products as warpgroup instructions (B operands read from LDS by the tensor cores)
     pass_one_stages: int = 0  # the grouped walk's pass one; 0 (one stage, no async copies): ``stages``
+    pass_one_paired: bool = False  # pass one's state and transfer rows in one block (PASS_ONE_PAIRED)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -241,8 +242,9 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         one = lambda st: pass_one_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
                                             st, True, wg).shared_mem <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
-        return ChunkPlan(stages, True, blocks, wg, one_stages)
-    return ChunkPlan(1, footprint(1, True) <= shared_mem, 1)
+        # pairing takes the per-wave products (the warpgroup walk has no paired form)
+        return ChunkPlan(stages, True, blocks, wg, one_stages, PASS_ONE_PAIRED and not wg)
+    return ChunkPlan(1, footprint(1, True) <= shared_mem, 1, pass_one_paired=PASS_ONE_PAIRED)
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:
