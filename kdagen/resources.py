@@ -113,34 +113,36 @@ def prologue_min_blocks(shared_mem_bytes: int, cu_smem: int, reserve: int,
 
 def chunk_footprint(
     head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
-    stages: int = 1, stage_uo: bool = False, wgmma: bool = False,
+    stages: int = 1, stage_uo: bool = False, wgmma: bool = False, swizzle: bool = False,
 ) -> Footprint:
     """Per stage: w, qg (C x K), kg_t (K x C), aqk (C x C) tiles (rows padded for
-    ldmatrix, or unpadded core-matrix tiles with ``wgmma``), [the u / o tile
-    (C x block_width) and the akk tile (C x C) of the walk that forms u from v], and the
-    fp32 chunk decay; ``stages`` such buffers (the largest walk's: pass one of the chunk
-    groups stages no qg / aqk tiles)."""
+    ldmatrix; unpadded core-matrix tiles with ``wgmma``; unpadded rows of swizzled 16-byte
+    pieces with ``swizzle``), [the u / o tile (C x block_width) and the akk tile (C x C)
+    of the walk that forms u from v], and the fp32 chunk decay; ``stages`` such buffers
+    (the largest walk's: pass one of the chunk groups stages no qg / aqk tiles)."""
     return _walk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
-                           stage_uo, wgmma, outputs=True)
+                           stage_uo, wgmma, swizzle, outputs=True)
 
 
 def pass_one_footprint(
     head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
-    stages: int = 1, stage_uo: bool = False, wgmma: bool = False,
+    stages: int = 1, stage_uo: bool = False, wgmma: bool = False, swizzle: bool = False,
 ) -> Footprint:
     """``chunk_footprint`` of the grouped walk's pass one: no qg / aqk tiles."""
     return _walk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
-                           stage_uo, wgmma, outputs=False)
+                           stage_uo, wgmma, swizzle, outputs=False)
 
 
 def _walk_footprint(head_dim: int, chunk_size: int, block_width: int, io_dtype: str,
-                    wave_size: int, stages: int, stage_uo: bool, wgmma: bool,
+                    wave_size: int, stages: int, stage_uo: bool, wgmma: bool, swizzle: bool,
                     outputs: bool) -> Footprint:
     c, d = chunk_size, head_dim
-    pad = 0 if wgmma else PAD_16BIT
+    swizzle = swizzle and not wgmma  # (the warpgroup walk's tiles are core-matrix tiles)
+    pad = 0 if wgmma or swizzle else PAD_16BIT
+    pad_uo = 0 if swizzle else PAD_16BIT
     elems = (2 if outputs else 1) * c * (d + pad) + d * (c + pad) + (c * (c + pad) if outputs else 0)
     if stage_uo:
-        elems += c * (block_width + PAD_16BIT) + c * (c + pad)
+        elems += c * (block_width + pad_uo) + c * (c + pad)
     waves = block_width // 16
     return Footprint(waves * wave_size, stages * (elems * IO_BYTES[io_dtype] + d * 4))
 
@@ -169,6 +171,7 @@ class ChunkPlan:
     wgmma: bool = False  # products as warpgroup instructions (B operands read from LDS by the tensor cores)
     pass_one_stages: int = 0  # the grouped walk's pass one; 0 (one stage, no async copies): ``stages``
     pass_one_paired: bool = False  # pass one's state and transfer rows in one block (PASS_ONE_PAIRED)
+    swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (CHUNK_SWIZZLE)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -199,6 +202,15 @@ CHUNK_U_APART = True
 # 96 of them the w / kg_t / decay reads that pairing halves per row.
 PASS_ONE_PAIRED = False
 
+# The per-wave walks' 16-bit LDS tiles (w, qg, kg_t, aqk, akk, u / o) stored unpadded with
+# their 16-byte pieces swizzled by row (templates: `swizzled`, `lds_index`) instead of
+# rows padded by PAD_16BIT. Off: not timed yet. ncu on pass one (H200, c16, 1x32768x32,
+# docs/NOTES.md v20) put L1 / shared at 78% of peak, the highest unit, with 28M of its
+# 130M LDS wavefronts excess, all in the copies into padded rows (the kg_t copy 24
+# wavefronts per warp instruction against 4, the w and v copies 10.5). The warpgroup walk
+# keeps its core-matrix tiles.
+CHUNK_SWIZZLE = False
+
 
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:
     """Whether the chunk scan issues its products per warpgroup: where the target has them,
@@ -226,7 +238,7 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     those stages (else 1), and warpgroup products where ``chunk_wgmma`` allows them;
     otherwise one stage, with u / o staged if they fit."""
     footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
-                                                        wave_size, st, uo, w).shared_mem
+                                                        wave_size, st, uo, w, CHUNK_SWIZZLE).shared_mem
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
     wg = (chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
           and footprint(3, True, True) <= shared_mem)
@@ -240,11 +252,13 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         fits = lambda st: footprint(st, True, wg) <= limit
         stages = max(st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st))
         one = lambda st: pass_one_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
-                                            st, True, wg).shared_mem <= limit
+                                            st, True, wg, CHUNK_SWIZZLE).shared_mem <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
-        # pairing takes the per-wave products (the warpgroup walk has no paired form)
-        return ChunkPlan(stages, True, blocks, wg, one_stages, PASS_ONE_PAIRED and not wg)
-    return ChunkPlan(1, footprint(1, True) <= shared_mem, 1, pass_one_paired=PASS_ONE_PAIRED)
+        # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
+        return ChunkPlan(stages, True, blocks, wg, one_stages, PASS_ONE_PAIRED and not wg,
+                         CHUNK_SWIZZLE and not wg)
+    return ChunkPlan(1, footprint(1, True) <= shared_mem, 1, pass_one_paired=PASS_ONE_PAIRED,
+                     swizzle=CHUNK_SWIZZLE)
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

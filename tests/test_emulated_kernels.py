@@ -79,7 +79,31 @@ def _id(case) -> str:
 @needs_clang
 @pytest.mark.parametrize("case", PREFILL, ids=[_id(c) for c in PREFILL])
 def test_prologue_and_chunk_match_the_reference(case):
-    fields, dtype = case
+    check_prefill(*case)
+
+
+# Tiles of 2, 4, 8 and 16 pieces a row: the shipped c16 d128 / bv128 variant (kg_t, aqk,
+# akk 2; w, qg, u 16), bv16 (u 2) with c32 (kg_t 4) and d64 (w 8), c64 (kg_t 8), and CDNA
+# (one stage, 64-bit operand reads) with bv32 (u 4) and c16.
+SWIZZLED = [PREFILL[8], PREFILL[3], PREFILL[1], PREFILL[6], PREFILL[9]]
+
+
+@needs_clang
+@pytest.mark.parametrize("case", SWIZZLED, ids=[_id(c) for c in SWIZZLED])
+def test_swizzled_tiles_match_the_reference(case, monkeypatch):
+    """The chunk scan with its LDS tiles unpadded and their 16-byte pieces swizzled
+    (resources.CHUNK_SWIZZLE): copies and every matrix load and store must use the same
+    placement, or the products read another row's piece."""
+    from kdagen.render import render
+
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", True)
+    kern = check_prefill(*case)
+    assert "kChunkSwizzle = true;" in render(kern.spec).files["kernels.hip"]
+
+
+def check_prefill(fields, dtype):
+    """Prologue and chunk scan (one walk, three groups, u formed from v) against the
+    float64 reference, outputs poisoned."""
     kern = emulated(**fields)
     D, C, gate = kern.spec.head_dim, kern.spec.chunk_size, kern.spec.gate
     x = make_inputs(lens_for(C), 2, D, dtype=dtype, device="cpu", gate=gate, seed=D + C, fused=True)
@@ -100,6 +124,7 @@ def test_prologue_and_chunk_match_the_reference(case):
         assert rel_err(o, o_ref) < TOL, (groups, rel_err(o, o_ref))
         assert rel_err(s, s_ref) < TOL, (groups, rel_err(s, s_ref))
     check_deferred_u(kern, x, init, o_ref, s_ref)
+    return kern
 
 
 def aligned_view(t: torch.Tensor, pad: int = 8) -> torch.Tensor:
@@ -450,17 +475,20 @@ def test_softplus_gate_over_its_whole_input_range(target):
 
 
 @needs_clang
-@pytest.mark.parametrize("target, pass_one_stages, paired", [
-    ("sm_90", 0, False), ("sm_90", 3, False), ("gfx942", 0, False), ("sm_90", 3, True), ("gfx942", 0, True)])
-def test_every_group_count_matches_the_single_walk(target, pass_one_stages, paired, monkeypatch):
+@pytest.mark.parametrize("target, pass_one_stages, paired, swizzle", [
+    ("sm_90", 0, False, False), ("sm_90", 3, False, False), ("gfx942", 0, False, False),
+    ("sm_90", 3, True, False), ("gfx942", 0, True, False), ("sm_90", 3, True, True), ("gfx942", 0, False, True)])
+def test_every_group_count_matches_the_single_walk(target, pass_one_stages, paired, swizzle, monkeypatch):
     """The two-pass group scan against the single walk, for group counts that split
     one long walk evenly, unevenly and into groups of one chunk (workspace poisoned:
     a plane read before it is written shows as NaN); on sm_90 also with pass one
-    buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two, and
-    with pass one's state and transfer rows paired in one block (PASS_ONE_PAIRED)."""
+    buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two,
+    with pass one's state and transfer rows paired in one block (PASS_ONE_PAIRED), and
+    with swizzled tiles (CHUNK_SWIZZLE)."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
     monkeypatch.setattr(resources, "PASS_ONE_STAGES", pass_one_stages)
     monkeypatch.setattr(resources, "PASS_ONE_PAIRED", paired)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
     if pass_one_stages:
         from kdagen.render import chunk_plan_for
         from kdagen.spec import KernelSpec
@@ -479,16 +507,18 @@ def test_every_group_count_matches_the_single_walk(target, pass_one_stages, pair
 
 
 @needs_clang
-@pytest.mark.parametrize("target, head_dim", [("sm_90", 128), ("gfx950", 64)])
-def test_paired_pass_one_at_chunk_16(target, head_dim, monkeypatch):
+@pytest.mark.parametrize("target, head_dim, swizzle", [("sm_90", 128, False), ("sm_90", 128, True),
+                                                      ("gfx950", 64, False)])
+def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, monkeypatch):
     """Pass one with its state and transfer rows in one block (PASS_ONE_PAIRED) in the
-    shipped chunk-16 form (u formed from v with akk; on sm_90 the d128 / bv128 variant):
-    outputs and end states against the reference at 3 and 4 groups, outputs and the
-    workspace poisoned."""
+    shipped chunk-16 form (u formed from v with akk; on sm_90 the d128 / bv128 variant,
+    also with swizzled tiles): outputs and end states against the reference at 3 and 4
+    groups, outputs and the workspace poisoned."""
     from kdagen.render import render
 
     monkeypatch.setenv("KDAGEN_POISON", "1")
     monkeypatch.setattr(resources, "PASS_ONE_PAIRED", True)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
     C, D, H = 16, head_dim, 1
     kern = emulated(head_dim=D, chunk_size=C, gate="lower_bound", target=target)
     assert "kPassOnePaired = true;" in render(kern.spec).files["kernels.hip"]

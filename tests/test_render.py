@@ -146,6 +146,7 @@ def test_default_constexprs():
         "kChunkWgmma": "false",  # resources.CHUNK_WGMMA: per-wave mma.sync (measured faster)
         "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
         "kPassOnePaired": "false",  # resources.PASS_ONE_PAIRED: pass one's state and transfer rows apart (not timed paired)
+        "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles not timed)
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -256,6 +257,24 @@ def test_paired_pass_one_off_by_default_and_never_with_warpgroup_products(monkey
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "true"
     monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
+
+
+def test_swizzled_tiles_off_by_default_and_never_with_warpgroup_products(monkeypatch):
+    """CHUNK_SWIZZLE reaches the Config only for the per-wave walk, and its footprint
+    drops the padding of every 16-bit tile (the u / o one too, which the warpgroup
+    walk keeps)."""
+    assert not resources.CHUNK_SWIZZLE
+    assert constexprs(kernels(dict(chunk_size=16)))["kChunkSwizzle"] == "false"
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", True)
+    assert constexprs(kernels(dict(chunk_size=16)))["kChunkSwizzle"] == "true"
+    assert constexprs(kernels(dict(chunk_size=64, target="gfx942")))["kChunkSwizzle"] == "true"
+    fp = lambda **kw: resources.chunk_footprint(128, 16, 128, "bf16", 32, 2, True, **kw).shared_mem
+    pad = resources.PAD_16BIT
+    # w, qg, kg_t, aqk, u / o and akk: 2 stages, 2 bytes
+    assert fp() - fp(swizzle=True) == 2 * 2 * (2 * 16 * pad + 128 * pad + 16 * pad + 16 * pad + 16 * pad)
+    assert fp(wgmma=True, swizzle=True) == fp(wgmma=True)
+    monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
+    assert constexprs(kernels(dict(chunk_size=16)))["kChunkSwizzle"] == "false"
 
 
 def test_warpgroup_tiles_drop_the_ldmatrix_padding():

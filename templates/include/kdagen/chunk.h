@@ -39,9 +39,13 @@ template <class Cfg, bool kOutputs = true, bool kAkk = false>
 struct ChunkLayout {
   static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, BV = Cfg::kBlockV;
   static constexpr bool kWg = Cfg::kChunkWgmma;  // K-major core-matrix tiles (no padding)
-  static constexpr int LDW = kWg ? D : D + Cfg::kPad16;  // w, qg tiles [C][LDW]
-  static constexpr int LDC = kWg ? C : C + Cfg::kPad16;  // kg_t [D][LDC], aqk [C][LDC]
-  static constexpr int LDU = BV + Cfg::kPad16;  // u in, o out [C][LDU] (kStageUO)
+  // Cfg::kChunkSwizzle: the per-wave walk's 16-bit tiles unpadded, their 16-byte pieces
+  // swizzled by row (swizzled<W>) instead of rows padded by kPad16 (lds_index)
+  static constexpr bool kSwz = Cfg::kChunkSwizzle && !kWg;
+  static constexpr int kPad = kWg || kSwz ? 0 : Cfg::kPad16;
+  static constexpr int LDW = D + kPad;  // w, qg tiles [C][LDW]
+  static constexpr int LDC = C + kPad;  // kg_t [D][LDC], aqk [C][LDC]
+  static constexpr int LDU = BV + (kSwz ? 0 : Cfg::kPad16);  // u in, o out [C][LDU] (kStageUO)
   // > 1: kStages - 1 chunks load ahead of this one (pass one, without outputs, its own count)
   static constexpr int kStages = kOutputs ? Cfg::kChunkStages : Cfg::kChunkStagesPassOne;
   static constexpr bool kAkkTile = kAkk && Cfg::kStageUO;
@@ -58,10 +62,28 @@ struct ChunkLayout {
 
 enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2 };
 
-// Rows of a token-major [rows][H][width] tensor -> an LDS tile [rows][ld], zero past
-// `valid`, as 16-byte copies (asynchronous where the hardware has them). The offsets
-// inside one chunk's rows fit 32 bits (rows * row_stride < 2^31); only `src` is 64-bit.
-template <int ROWS, int WIDTH, int LD, int NT>
+// Index of element (r, c) of an LDS tile W columns wide: rows padded to LD, or (kSwz)
+// unpadded with their 16-byte pieces swizzled.
+template <int W, int LD, bool kSwz>
+__device__ __forceinline__ int lds_index(int r, int c) {
+  if constexpr (kSwz) return swizzled<W>(r, c);
+  else return r * LD + c;
+}
+
+// Element (r, c) of the 16 x 16 block at (r0, c0) of such a tile at p: the accessor the
+// vendor layer's *_at loads and stores take.
+template <int W, int LD, bool kSwz, class E>
+struct TileAt {
+  E* p;
+  int r0, c0;
+  __device__ __forceinline__ E* operator()(int r, int c) const { return p + lds_index<W, LD, kSwz>(r0 + r, c0 + c); }
+};
+
+// Rows of a token-major [rows][H][width] tensor -> an LDS tile [rows][ld] (or swizzled,
+// kSwz), zero past `valid`, as 16-byte copies (asynchronous where the hardware has them).
+// The offsets inside one chunk's rows fit 32 bits (rows * row_stride < 2^31); only `src`
+// is 64-bit.
+template <int ROWS, int WIDTH, int LD, int NT, bool kSwz = false>
 __device__ __forceinline__ void copy_rows(uint16_t* dst, const uint16_t* src, int row_stride,
                                           int valid) {
   constexpr int VEC = 8;  // 16 bytes
@@ -72,7 +94,7 @@ __device__ __forceinline__ void copy_rows(uint16_t* dst, const uint16_t* src, in
     if (N % NT == 0 || e < N) {
       const int r = e / (WIDTH / VEC), c = (e % (WIDTH / VEC)) * VEC;
       const bool in = r < valid;  // else zero-filled, from row 0
-      async::copy16(dst + r * LD + c, src + ((in ? r : 0) * row_stride + c), in);
+      async::copy16(dst + lds_index<WIDTH, LD, kSwz>(r, c), src + ((in ? r : 0) * row_stride + c), in);
     }
   }
 }
@@ -96,11 +118,11 @@ __device__ __forceinline__ void copy_tile(uint16_t* dst, const uint16_t* src, in
 }
 
 // An operand of the products: a K-major tile for the warpgroup products (kTile), else
-// rows padded to LD for ldmatrix.
-template <bool kTile, int ROWS, int WIDTH, int LD, int NT>
+// rows padded to LD for ldmatrix, or swizzled (kSwz).
+template <bool kTile, int ROWS, int WIDTH, int LD, int NT, bool kSwz>
 __device__ __forceinline__ void copy_operand(uint16_t* dst, const uint16_t* src, int row_stride, int valid) {
   if constexpr (kTile) copy_tile<ROWS, WIDTH, NT>(dst, src, row_stride, valid);
-  else copy_rows<ROWS, WIDTH, LD, NT>(dst, src, row_stride, valid);
+  else copy_rows<ROWS, WIDTH, LD, NT, kSwz>(dst, src, row_stride, valid);
 }
 
 template <class Cfg>
@@ -151,7 +173,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
   using Lay = ChunkLayout<Cfg, kOutputs, kAkk>;
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
   constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
-  constexpr bool kWg = Lay::kWg;
+  constexpr bool kWg = Lay::kWg, kSwz = Lay::kSwz;
   constexpr bool kPaired = kPairedWalk<Cfg, kMode>;
   static_assert(!kPaired || !kWg, "paired pass-one rows take the per-wave products");
   static_assert(sizeof(T) == 2, "the chunk scan takes 16-bit operands");
@@ -171,6 +193,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
     st.Ds = reinterpret_cast<float*>(st.Us + (Cfg::kStageUO ? C * Lay::LDU : 0));
     return st;
   };
+  // The 16 x 16 blocks of the per-wave products' tiles, as the vendor layer reads them.
+  using WBlock = TileAt<D, LDW, kSwz, const uint16_t>;        // w, qg: C x D
+  using CBlock = TileAt<C, LDC, kSwz, const uint16_t>;        // kg_t: D x C; aqk, akk: C x C
+  using UBlock = TileAt<BV, Lay::LDU, kSwz, uint16_t>;        // u or v in, o out: C x BV
 
   const int H = a.num_heads, h = blockIdx.y;
   // Pass one runs groups 0 .. G - 2 only: the last group's end state and transfer are
@@ -260,11 +286,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
                              C * C / 8 <= NT && D / 4 <= NT;
   const int tid = threadIdx.x;
   const int pr = tid / (D / 8), pc = (tid % (D / 8)) * 8;  // w / qg / u piece: row, column
-  const int p_off = pr * ld_hd + pc, p_dst = pr * LDW + pc, p_udst = pr * Lay::LDU + pc;
-  const int pu_off = pr * ld_u + pc;
+  const int p_off = pr * ld_hd + pc, p_dst = lds_index<D, LDW, kSwz>(pr, pc);
+  const int p_udst = lds_index<BV, Lay::LDU, kSwz>(pr, pc), pu_off = pr * ld_u + pc;
   const int ar = tid / (C / 8), ac = (tid % (C / 8)) * 8;  // aqk piece (tid < C * C / 8)
-  const int a_off = ar * ld_hc + ac, a_dst = ar * LDC + ac;
-  const int k_dst = (tid / (C / 8)) * LDC + (tid % (C / 8)) * 8;  // kg_t piece tid of D * C
+  const int a_off = ar * ld_hc + ac, a_dst = lds_index<C, LDC, kSwz>(ar, ac);
+  const int k_dst = lds_index<C, LDC, kSwz>(tid / (C / 8), (tid % (C / 8)) * 8);  // kg_t piece tid of D * C
   // Issue the copies of the next chunk's operands into stage `st`.
   auto load_next = [&](const Stage& st) {
     const int valid = min(C, next_rows);
@@ -299,19 +325,19 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
       return;
     }
     const uint16_t* kg_src = static_cast<const uint16_t*>(a.kg_t) + next_ch * C;  // kg_t [chunk][H][D][C]
-    copy_operand<kWg, C, D, LDW, NT>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
+    copy_operand<kWg, C, D, LDW, NT, kSwz>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
     if constexpr (kMode != kWalkPassOne) {
-      copy_operand<kWg, C, D, LDW, NT>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
-      copy_operand<kWg, C, C, LDC, NT>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
+      copy_operand<kWg, C, D, LDW, NT, kSwz>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
+      copy_operand<kWg, C, C, LDC, NT, kSwz>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
     }
-    copy_operand<kWg, D, C, LDC, NT>(st.KGs, kg_src, C, D);
+    copy_operand<kWg, D, C, LDC, NT, kSwz>(st.KGs, kg_src, C, D);
     if constexpr (Cfg::kStageUO) {
       if (!transfer)
-        copy_rows<C, BV, Lay::LDU, NT>(st.Us, reinterpret_cast<const uint16_t*>(u) + next_u, ld_u, valid);
+        copy_rows<C, BV, Lay::LDU, NT, kSwz>(st.Us, reinterpret_cast<const uint16_t*>(u) + next_u, ld_u, valid);
     }
     if constexpr (Lay::kAkkTile) {
       if (!transfer)
-        copy_rows<C, C, LDC, NT>(st.Ak, reinterpret_cast<const uint16_t*>(akk) + next_hc, ld_hc, valid);
+        copy_rows<C, C, LDC, NT, kSwz>(st.Ak, reinterpret_cast<const uint16_t*>(akk) + next_hc, ld_hc, valid);
     }
     copy_rows<1, D * 2, D * 2, NT>(reinterpret_cast<uint16_t*>(st.Ds),
                                    reinterpret_cast<const uint16_t*>(a.decay + next_ch), 0, 1);
@@ -368,7 +394,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
       mma::zero(o[ct]);
       if (!transfer && !kAkk) {
         if constexpr (Cfg::kStageUO) {
-          mma::load_tile_t<Io>(vn[ct], Us + (16 * ct) * Lay::LDU + 16 * wave, Lay::LDU);  // u -> u^T
+          mma::load_tile_t_at<Io>(vn[ct], UBlock{Us, 16 * ct, 16 * wave});  // u -> u^T
         } else {
           mma::for_each(vn[ct], [&](int r, int cc, float& x) {
             const int i = 16 * ct + cc;
@@ -384,7 +410,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
       for (int cj = 0; cj < CT; ++cj) {
         mma::Frag vt;
         if constexpr (Cfg::kStageUO) {
-          vt = mma::load_a_smem_t(Us + (16 * cj) * Lay::LDU + 16 * wave, Lay::LDU);
+          vt = mma::load_a_smem_t_at(UBlock{Us, 16 * cj, 16 * wave});
         } else {
           vt = mma::load_a<Io>([&](int r, int k) {
             const int i = 16 * cj + k;
@@ -394,7 +420,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
 #pragma unroll
         for (int ct = cj; ct < CT; ++ct) {
           if constexpr (Lay::kAkkTile) {
-            mma::mma<Io>(acc[ct], vt, mma::load_b_smem(Ak + (16 * ct) * LDC + 16 * cj, LDC));
+            mma::mma<Io>(acc[ct], vt, mma::load_b_smem_at(CBlock{Ak, 16 * ct, 16 * cj}));
           } else {
             mma::mma<Io>(acc[ct], vt, mma::load_b<Io>([&](int nn, int k) {
               const int i = 16 * ct + nn;
@@ -420,15 +446,25 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
     // segment per token as two 16-byte stores.
     auto stage_o = [&](int ci, mma::Acc& oc) {
       if (ci == 0) wave_sync();
-      mma::store_tile_t<Io>(oc, Us + (16 * ci) * Lay::LDU + 16 * wave, Lay::LDU);  // o^T -> o
+      mma::store_tile_t_at<Io>(oc, UBlock{Us, 16 * ci, 16 * wave});  // o^T -> o
     };
     auto store_o = [&]() {
       wave_sync();
       T* const oc = out + t0 * row_hd + h * D + row0;  // this chunk's first row, this wave's columns
-      for (int e = lane_id(); e < 2 * valid; e += kWaveSize) {
-        const int i = e >> 1, half = e & 1;
-        *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
-            *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * wave + 8 * half);
+      if constexpr (kSwz) {
+        // swizzled: eight neighbouring lanes read one half of eight rows (eight bank groups)
+        for (int e = lane_id(); e < 2 * C; e += kWaveSize) {
+          const int i = e % C, half = e / C;
+          if (i < valid)
+            *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
+                *reinterpret_cast<const uint4*>(Us + lds_index<BV, Lay::LDU, true>(i, 16 * wave + 8 * half));
+        }
+      } else {
+        for (int e = lane_id(); e < 2 * valid; e += kWaveSize) {
+          const int i = e >> 1, half = e & 1;
+          *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
+              *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * wave + 8 * half);
+        }
       }
     };
 
@@ -509,11 +545,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
         [[maybe_unused]] const mma::Frag s1 = kPaired ? mma::to_a<Io>(S1[kPaired ? kt : 0]) : s;
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
-          const mma::Frag wb = mma::load_b_smem(Ws + (16 * ct) * LDW + 16 * kt, LDW);
+          const mma::Frag wb = mma::load_b_smem_at(WBlock{Ws, 16 * ct, 16 * kt});
           mma::mma<Io>(vn[ct], s, wb);
           if constexpr (kPaired) mma::mma<Io>(vn1[ct], s1, wb);
           if constexpr (kMode != kWalkPassOne)
-            mma::mma<Io>(o[ct], s, mma::load_b_smem(Qs + (16 * ct) * LDW + 16 * kt, LDW));
+            mma::mma<Io>(o[ct], s, mma::load_b_smem_at(WBlock{Qs, 16 * ct, 16 * kt}));
         }
       }
       if constexpr (kApart) {
@@ -531,7 +567,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
           mma::for_each(o[ci], [&](int, int, float& x) { x *= -a.scale; });
 #pragma unroll
           for (int cj = 0; cj <= ci; ++cj)
-            mma::mma<Io>(o[ci], va[cj], mma::load_b_smem(As + (16 * ci) * LDC + 16 * cj, LDC));
+            mma::mma<Io>(o[ci], va[cj], mma::load_b_smem_at(CBlock{As, 16 * ci, 16 * cj}));
           if constexpr (Cfg::kStageUO) {
             stage_o(ci, o[ci]);
           } else {
@@ -557,7 +593,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
         if constexpr (kPaired) mma::for_each(S1[kPaired ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
-          const mma::Frag kb = mma::load_b_smem(KGs + (16 * kt) * LDC + 16 * ct, LDC);
+          const mma::Frag kb = mma::load_b_smem_at(CBlock{KGs, 16 * kt, 16 * ct});
           mma::mma<Io>(S[kt], va[ct], kb);
           if constexpr (kPaired) mma::mma<Io>(S1[kPaired ? kt : 0], va1[ct], kb);
         }

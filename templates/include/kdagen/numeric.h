@@ -116,4 +116,26 @@ __device__ __forceinline__ float gate_log2(float x, float a_exp, float lower_bou
 
 __device__ __forceinline__ float rnorm(float sum_sq) { return rsqrtf(sum_sq + 1e-6f); }
 
+// Element (r, c) of a 16-bit LDS tile as the matrix loads and stores address it: rows ld
+// elements apart from p (the vendor layers' (p, ld) forms).
+template <class E> struct Rows {
+  E* p;
+  int ld;
+  __device__ __forceinline__ E* operator()(int r, int c) const { return p + r * ld + c; }
+};
+
+// Index of element (r, c) of an unpadded 16-bit LDS tile W columns wide whose 16-byte
+// pieces are swizzled by row: piece q of row r is stored as piece q ^ key(r), key running
+// over the rows that share one 128-byte run of banks. The eight rows a matrix load or
+// store reads at one piece, and a 128-byte run of 16-byte copies, then fall in the eight
+// 16-byte bank groups, without padding the rows. A piece stays whole: any access inside
+// one (16 bytes, 16-byte aligned) is unchanged by it.
+template <int W> __host__ __device__ __forceinline__ constexpr int swizzled(int r, int c) {
+  constexpr unsigned P = W / 8;  // pieces per row
+  static_assert(W % 8 == 0 && P >= 2 && (P & (P - 1)) == 0, "swizzled rows are 2^n 16-byte pieces");
+  constexpr unsigned RUN = P >= 8 ? 1 : 8 / P, KEYS = P >= 8 ? 8 : P;  // rows per 128 bytes, keys
+  const unsigned key = (static_cast<unsigned>(r) / RUN) % KEYS;
+  return r * W + static_cast<int>(((static_cast<unsigned>(c) >> 3) ^ key) << 3) + (c & 7);
+}
+
 }  // namespace kdagen

@@ -153,27 +153,37 @@ template <DType T, class F> __device__ __forceinline__ Frag load_a2(F&& f2) {
 
 template <DType T, class F> __device__ __forceinline__ Frag load_b2(F&& f2) { return load_a2<T>(f2); }
 
-// Straight from 16-bit LDS: A[row][k] at p[row * ld + k], B[k][n] at p[n * ld + k];
-// the four k of a lane are contiguous: one 64-bit load (ld a multiple of 4).
-__device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
+// Straight from 16-bit LDS: A[row][k] at at(row, k), B[k][n] at at(n, k); the four k of
+// a lane are contiguous: one 64-bit load (8-byte aligned). The (p, ld) forms take rows
+// ld apart (Rows, ld a multiple of 4); an accessor may place a row's 16-byte pieces
+// anywhere (swizzled tiles), as long as each piece stays whole.
+template <class At> __device__ __forceinline__ Frag load_a_smem_at(At at) {
   Frag a;
-  a.x = *reinterpret_cast<const i16x4*>(p + (lane_id() & 15) * ld + 4 * (lane_id() >> 4));
+  a.x = *reinterpret_cast<const i16x4*>(at(lane_id() & 15, 4 * (lane_id() >> 4)));
   return a;
 }
+template <class At> __device__ __forceinline__ Frag load_b_smem_at(At at) { return load_a_smem_at(at); }
 
-__device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) { return load_a_smem(p, ld); }
-
-// B[k][n] at p[k * ld + n] (n contiguous): the lane's four k are four rows.
-__device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
+// B[k][n] at at(k, n) (n contiguous): the lane's four k are four rows.
+template <class At> __device__ __forceinline__ Frag load_b_smem_kn_at(At at) {
   const int n = lane_id() & 15, q = lane_id() >> 4;
   Frag b;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) b.x[j] = static_cast<short>(p[(4 * q + j) * ld + n]);
+  for (int j = 0; j < 4; ++j) b.x[j] = static_cast<short>(*at(4 * q + j, n));
   return b;
 }
 
-// A[row][k] at p[k * ld + row] (stored transposed): the lane's four k are four rows.
-__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) { return load_b_smem_kn(p, ld); }
+// A[row][k] at at(k, row) (stored transposed): the lane's four k are four rows.
+template <class At> __device__ __forceinline__ Frag load_a_smem_t_at(At at) { return load_b_smem_kn_at(at); }
+
+__device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) { return load_a_smem_at(Rows<const uint16_t>{p, ld}); }
+__device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) { return load_b_smem_at(Rows<const uint16_t>{p, ld}); }
+__device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
+  return load_b_smem_kn_at(Rows<const uint16_t>{p, ld});
+}
+__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) {
+  return load_a_smem_t_at(Rows<const uint16_t>{p, ld});
+}
 
 // B operand element (k, n) times s[k] (fp32, one rounding): this lane's k are 4q .. 4q + 3.
 template <DType T> __device__ __forceinline__ void scale_k(Frag& b, const float* s) {
@@ -193,13 +203,19 @@ template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint
   *reinterpret_cast<i16x4*>(p + (lane_id() & 15) * ld + 4 * (lane_id() >> 4)) = x;
 }
 
-// The tile transposed, through 16-bit LDS at p[col * ld + row]: store_tile_t rounds the
+// The tile transposed, through 16-bit LDS at at(col, row): store_tile_t rounds the
 // accumulator to T, load_tile_t widens it back (element by element here).
+template <DType T, class At> __device__ __forceinline__ void store_tile_t_at(Acc& c, At at) {
+  for_each(c, [&](int r, int col, float& x) { *at(col, r) = pack1<T>(x); });
+}
+template <DType T, class At> __device__ __forceinline__ void load_tile_t_at(Acc& c, At at) {
+  for_each(c, [&](int r, int col, float& x) { x = to_float<T>(*at(col, r)); });
+}
 template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
-  for_each(c, [&](int r, int col, float& x) { p[col * ld + r] = pack1<T>(x); });
+  store_tile_t_at<T>(c, Rows<uint16_t>{p, ld});
 }
 template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
-  for_each(c, [&](int r, int col, float& x) { x = to_float<T>(p[col * ld + r]); });
+  load_tile_t_at<T>(c, Rows<const uint16_t>{p, ld});
 }
 
 // -x for every element (16-bit floats: flip the sign bits; exact).

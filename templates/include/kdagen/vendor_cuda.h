@@ -207,51 +207,52 @@ template <DType T, class F> __device__ __forceinline__ Frag load_b2(F&& f2) {
   return b;
 }
 
-// Straight from 16-bit shared memory: A[row][k] at p[row * ld + k], B[k][n] at
-// p[n * ld + k] (k contiguous), B[k][n] at p[k * ld + n] for load_b_smem_kn. One
-// ldmatrix.x4 each (rows 16-byte aligned: ld a multiple of 8, p 16-byte aligned); lane l
-// names row l % 8 of the 8x8 matrix l / 8, which lands in register l / 8.
+// Straight from 16-bit shared memory: A[row][k] at at(row, k), B[k][n] at at(n, k) (k
+// contiguous), B[k][n] at at(k, n) for load_b_smem_kn; the (p, ld) forms take rows ld
+// apart (Rows). One ldmatrix.x4 each (rows 16-byte aligned); lane l names row l % 8 of
+// the 8x8 matrix l / 8, which lands in register l / 8. An accessor may place the 16-byte
+// pieces of a row anywhere (swizzled tiles), as long as each piece stays whole.
 #if defined(KDAGEN_EMULATE)
 __device__ __forceinline__ uint32_t two16(const uint16_t* lo, const uint16_t* hi) {
   return static_cast<uint32_t>(*lo) | (static_cast<uint32_t>(*hi) << 16);
 }
-__device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
+template <class At> __device__ __forceinline__ Frag load_a_smem_at(At at) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
   Frag a;
-  a.r[0] = *reinterpret_cast<const uint32_t*>(p + g * ld + 2 * t);
-  a.r[1] = *reinterpret_cast<const uint32_t*>(p + (g + 8) * ld + 2 * t);
-  a.r[2] = *reinterpret_cast<const uint32_t*>(p + g * ld + 2 * t + 8);
-  a.r[3] = *reinterpret_cast<const uint32_t*>(p + (g + 8) * ld + 2 * t + 8);
+  a.r[0] = *reinterpret_cast<const uint32_t*>(at(g, 2 * t));
+  a.r[1] = *reinterpret_cast<const uint32_t*>(at(g + 8, 2 * t));
+  a.r[2] = *reinterpret_cast<const uint32_t*>(at(g, 2 * t + 8));
+  a.r[3] = *reinterpret_cast<const uint32_t*>(at(g + 8, 2 * t + 8));
   return a;
 }
-__device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) {
+template <class At> __device__ __forceinline__ Frag load_b_smem_at(At at) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
   Frag b;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    b.r[2 * h] = *reinterpret_cast<const uint32_t*>(p + (8 * h + g) * ld + 2 * t);
-    b.r[2 * h + 1] = *reinterpret_cast<const uint32_t*>(p + (8 * h + g) * ld + 2 * t + 8);
+    b.r[2 * h] = *reinterpret_cast<const uint32_t*>(at(8 * h + g, 2 * t));
+    b.r[2 * h + 1] = *reinterpret_cast<const uint32_t*>(at(8 * h + g, 2 * t + 8));
   }
   return b;
 }
-__device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
+template <class At> __device__ __forceinline__ Frag load_b_smem_kn_at(At at) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
   Frag b;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const uint16_t* c = p + 8 * h + g;
-    b.r[2 * h] = two16(c + (2 * t) * ld, c + (2 * t + 1) * ld);
-    b.r[2 * h + 1] = two16(c + (2 * t + 8) * ld, c + (2 * t + 9) * ld);
+    const int n = 8 * h + g;
+    b.r[2 * h] = two16(at(2 * t, n), at(2 * t + 1, n));
+    b.r[2 * h + 1] = two16(at(2 * t + 8, n), at(2 * t + 9, n));
   }
   return b;
 }
-__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) {
+template <class At> __device__ __forceinline__ Frag load_a_smem_t_at(At at) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
   Frag a;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // register i: row g + 8 (i & 1), k 2t + 8 (i >> 1)
-    const uint16_t* c = p + (2 * t + 8 * (i >> 1)) * ld + g + 8 * (i & 1);
-    a.r[i] = two16(c, c + ld);
+    const int k = 2 * t + 8 * (i >> 1), row = g + 8 * (i & 1);
+    a.r[i] = two16(at(k, row), at(k + 1, row));
   }
   return a;
 }
@@ -268,19 +269,24 @@ template <bool kTrans> __device__ __forceinline__ Frag ldmatrix_x4(const uint16_
   }
   return f;
 }
-__device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) {
+template <class At> __device__ __forceinline__ Frag load_a_smem_at(At at) {
   const int m = lane_id() >> 3, r = lane_id() & 7;  // matrices: rows 0-7 / 8-15 x k 0-7 / 8-15
-  return ldmatrix_x4<false>(p + (r + 8 * (m & 1)) * ld + 8 * (m >> 1));
+  return ldmatrix_x4<false>(at(r + 8 * (m & 1), 8 * (m >> 1)));
 }
-__device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) {
+template <class At> __device__ __forceinline__ Frag load_b_smem_at(At at) {
   const int m = lane_id() >> 3, r = lane_id() & 7;  // matrices: n 0-7 x k 0-7, k 8-15; n 8-15 ...
-  return ldmatrix_x4<false>(p + (r + 8 * (m >> 1)) * ld + 8 * (m & 1));
+  return ldmatrix_x4<false>(at(r + 8 * (m >> 1), 8 * (m & 1)));
 }
-__device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
+template <class At> __device__ __forceinline__ Frag load_b_smem_kn_at(At at) {
   const int m = lane_id() >> 3, r = lane_id() & 7;  // stored rows are k: transposed loads
-  return ldmatrix_x4<true>(p + (r + 8 * (m & 1)) * ld + 8 * (m >> 1));
+  return ldmatrix_x4<true>(at(r + 8 * (m & 1), 8 * (m >> 1)));
 }
 #endif
+__device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) { return load_a_smem_at(Rows<const uint16_t>{p, ld}); }
+__device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) { return load_b_smem_at(Rows<const uint16_t>{p, ld}); }
+__device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
+  return load_b_smem_kn_at(Rows<const uint16_t>{p, ld});
+}
 
 // B operand element (k, n) times s[k]: this lane's k are 2t, 2t + 1 (registers 0, 2) and
 // 2t + 8, 2t + 9 (registers 1, 3).
@@ -308,36 +314,36 @@ template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint
   }
 }
 
-// The tile transposed, through 16-bit LDS at p[col * ld + row] (rows 16-byte aligned):
+// The tile transposed, through 16-bit LDS at at(col, row) (rows 16-byte aligned):
 // store_tile_t rounds the accumulator to T, load_tile_t widens it back. One
 // stmatrix / ldmatrix .x4.trans: register i holds quadrant (rows 8 (i & 1), columns
 // 8 (i >> 1)), whose transposed rows lanes 8i .. 8i + 7 address.
 #if defined(KDAGEN_EMULATE)
-template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
-  for_each(c, [&](int r, int col, float& x) { p[col * ld + r] = from_float<T>(x); });
+template <DType T, class At> __device__ __forceinline__ void store_tile_t_at(Acc& c, At at) {
+  for_each(c, [&](int r, int col, float& x) { *at(col, r) = from_float<T>(x); });
 }
-template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
-  for_each(c, [&](int r, int col, float& x) { x = to_float<T>(p[col * ld + r]); });
+template <DType T, class At> __device__ __forceinline__ void load_tile_t_at(Acc& c, At at) {
+  for_each(c, [&](int r, int col, float& x) { x = to_float<T>(*at(col, r)); });
 }
 #else
-__device__ __forceinline__ const uint16_t* tile_t_row(const uint16_t* p, int ld) {
+template <class At> __device__ __forceinline__ auto tile_t_row(At at) {
   const int i = lane_id() >> 3, j = lane_id() & 7;
-  return p + (8 * (i >> 1) + j) * ld + 8 * (i & 1);
+  return at(8 * (i >> 1) + j, 8 * (i & 1));
 }
-template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(tile_t_row(p, ld)));
+template <DType T, class At> __device__ __forceinline__ void store_tile_t_at(Acc& c, At at) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(tile_t_row(at)));
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n"
                ::"r"(s), "r"(pack2<T>(c.v[0], c.v[1])), "r"(pack2<T>(c.v[2], c.v[3])),
                "r"(pack2<T>(c.v[4], c.v[5])), "r"(pack2<T>(c.v[6], c.v[7]))
                : "memory");
 }
-// The A operand A[row][k] = p[k * ld + row]: the same transposed load, its registers
-// already in the A layout (register i: rows 8 (i & 1), k 8 (i >> 1)).
-__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) {
-  return ldmatrix_x4<true>(tile_t_row(p, ld));
+// The A operand A[row][k] = at(k, row): the same transposed load, its registers already
+// in the A layout (register i: rows 8 (i & 1), k 8 (i >> 1)).
+template <class At> __device__ __forceinline__ Frag load_a_smem_t_at(At at) {
+  return ldmatrix_x4<true>(tile_t_row(at));
 }
-template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
-  const Frag f = ldmatrix_x4<true>(tile_t_row(p, ld));
+template <DType T, class At> __device__ __forceinline__ void load_tile_t_at(Acc& c, At at) {
+  const Frag f = ldmatrix_x4<true>(tile_t_row(at));
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     c.v[2 * i] = to_float<T>(static_cast<uint16_t>(f.r[i] & 0xffffu));
@@ -345,6 +351,15 @@ template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uin
   }
 }
 #endif
+template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
+  store_tile_t_at<T>(c, Rows<uint16_t>{p, ld});
+}
+template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
+  load_tile_t_at<T>(c, Rows<const uint16_t>{p, ld});
+}
+__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) {
+  return load_a_smem_t_at(Rows<const uint16_t>{p, ld});
+}
 
 // -x for every element (16-bit floats: flip the sign bits; exact).
 __device__ __forceinline__ Frag neg(Frag f) {
