@@ -10,6 +10,9 @@
 #                                               # 5 6 8), this checkout and both on: paired
 #                                               # pass-one blocks run one per SM, so 5 groups
 #                                               # (128 blocks) fill one wave where 8 take 1.7
+#   bash scripts/try_prepared.sh profile [paired] # ncu on pass one (1x32768x32, 8 groups) with the
+#                                               # swizzled tiles (and the paired pass one):
+#                                               # $OUT/profile_prepared/ (profile.sh's files)
 #
 # Each mode fits one 10-minute device call (carry [".whl"]). Results are appended to
 # $OUT/prepared_time.txt and $OUT/prepared_test.log as they come, so a call cut short still
@@ -20,6 +23,19 @@ OUT=${OUT:-/tmp/kdagen-out}; mkdir -p "$OUT"
 mode=${1:-time}
 sw=CHUNK_SWIZZLE=True pr=PASS_ONE_PAIRED=True
 
+# A copy of this checkout in $tree with the given CONST=V set in its resources.py.
+tree=/tmp/kdagen-prepared
+prepared_tree() {
+  rm -rf "$tree"; mkdir -p "$tree"
+  cp -r kdagen templates scripts tests examples "$tree/" || return 2
+  [ -d .whl ] && ln -s "$PWD/.whl" "$tree/.whl"
+  for kv in "$@"; do
+    local k=${kv%%=*} v=${kv#*=}
+    sed -i "s/^$k = .*/$k = $v/" "$tree/kdagen/resources.py"
+    grep -q "^$k = $v\$" "$tree/kdagen/resources.py" || { echo "no constant $k"; return 2; }
+  done
+}
+
 case "$mode" in
   time)
     shapes=${2:-8x4096:32,1x32768:32}
@@ -28,15 +44,7 @@ case "$mode" in
       2>&1 | tee -a "$OUT/prepared_time.txt"
     ;;
   test)
-    tree=/tmp/kdagen-prepared
-    rm -rf "$tree"; mkdir -p "$tree"
-    cp -r kdagen templates scripts tests examples "$tree/" || exit 2
-    [ -d .whl ] && ln -s "$PWD/.whl" "$tree/.whl"
-    for kv in $sw $pr; do
-      k=${kv%%=*} v=${kv#*=}
-      sed -i "s/^$k = .*/$k = $v/" "$tree/kdagen/resources.py"
-      grep -q "^$k = $v\$" "$tree/kdagen/resources.py" || { echo "no constant $k"; exit 2; }
-    done
+    prepared_tree $sw $pr || exit 2
     (cd "$tree" && LOGS="$OUT/logs_prepared" KDAGEN_SANITIZE_TOOLS="${KDAGEN_SANITIZE_TOOLS:-memcheck racecheck}" \
       KDAGEN_CACHE_DIR=/tmp/kdagen-cache-prepared bash scripts/gpu_check.sh quick) 2>&1 \
       | tee -a "$OUT/prepared_test.log" | tail -n 25
@@ -48,5 +56,10 @@ case "$mode" in
         base: swpr:$sw,$pr 2>&1 | tee -a "$OUT/prepared_time.txt"
     done
     ;;
-  *) echo "usage: $0 time [shapes] | test | groups [counts]"; exit 2 ;;
+  profile)
+    if [ "${2:-}" = paired ]; then prepared_tree $sw $pr || exit 2; else prepared_tree $sw || exit 2; fi
+    (cd "$tree" && OUT="$OUT/profile_prepared" KDAGEN_NCU_KERNELS=chunk_kernel KDAGEN_NCU_SKIP=2 \
+      KDAGEN_GROUPS=8 bash scripts/profile.sh 1x32768:32 lower_bound 16 128) 2>&1 | tee -a "$OUT/prepared_profile.log"
+    ;;
+  *) echo "usage: $0 time [shapes] | test | groups [counts] | profile [paired]"; exit 2 ;;
 esac
