@@ -76,7 +76,10 @@ template <int W, int LD, bool kSwz, class E>
 struct TileAt {
   E* p;
   int r0, c0;
-  __device__ __forceinline__ E* operator()(int r, int c) const { return p + lds_index<W, LD, kSwz>(r0 + r, c0 + c); }
+  __device__ __forceinline__ E* operator()(int r, int c) const {
+    if constexpr (kSwz) return p + swizzled<W>(r0 + r, c0 + c);
+    else return Rows<E>{p + r0 * LD + c0, LD}(r, c);  // (the block's origin first, as before)
+  }
 };
 
 // Rows of a token-major [rows][H][width] tensor -> an LDS tile [rows][ld] (or swizzled,
