@@ -171,7 +171,7 @@ class ChunkPlan:
     wgmma: bool = False  # products as warpgroup instructions (B operands read from LDS by the tensor cores)
     pass_one_stages: int = 0  # the grouped walk's pass one; 0 (one stage, no async copies): ``stages``
     pass_one_paired: bool = False  # pass one's state and transfer rows in one block (PASS_ONE_PAIRED)
-    swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (CHUNK_SWIZZLE)
+    swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (chunk_swizzle)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -204,12 +204,23 @@ PASS_ONE_PAIRED = False
 
 # The per-wave walks' 16-bit LDS tiles (w, qg, kg_t, aqk, akk, u / o) stored unpadded with
 # their 16-byte pieces swizzled by row (templates: `swizzled`, `lds_index`) instead of
-# rows padded by PAD_16BIT. Off: not timed yet. ncu on pass one (H200, c16, 1x32768x32,
-# docs/NOTES.md v20) put L1 / shared at 78% of peak, the highest unit, with 28M of its
-# 130M LDS wavefronts excess, all in the copies into padded rows (the kg_t copy 24
-# wavefronts per warp instruction against 4, the w and v copies 10.5). The warpgroup walk
-# keeps its core-matrix tiles.
+# rows padded by PAD_16BIT; the warpgroup walk keeps its core-matrix tiles.
+# NVIDIA: off, not timed yet. ncu on pass one (H200, c16, 1x32768x32, docs/NOTES.md v20)
+# put L1 / shared at 78% of peak, the highest unit, with 28M of its 130M LDS wavefronts
+# excess, all in the copies into padded rows (the kg_t copy 24 wavefronts per warp
+# instruction against 4, the w and v copies 10.5).
 CHUNK_SWIZZLE = False
+# CDNA: on (untimed: no AMD GPU here), on compile evidence (Debian hipcc, gfx90a and gfx942
+# through gfx940, d128 / bv128, docs/BENCHMARKS.md "AMD"): at chunk 64, the CDNA default,
+# the padded walks take 255-256 VGPRs and 20-120 bytes / lane of scratch, the swizzled
+# ones 212-238 VGPRs and none; at chunk 16 the swizzled walks take 2-10 VGPRs fewer.
+CHUNK_SWIZZLE_CDNA = True
+
+
+def chunk_swizzle(vendor: str) -> bool:
+    """Whether the per-wave chunk scan of a ``vendor`` ("nvidia", "amd") target swizzles
+    its LDS tiles instead of padding their rows."""
+    return CHUNK_SWIZZLE_CDNA if vendor == "amd" else CHUNK_SWIZZLE
 
 
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:
@@ -230,15 +241,17 @@ def chunk_min_blocks(chunk_size: int, block_width: int, wave_size: int) -> int:
 
 def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
                shared_mem: int, async_copy: bool, cu_shared_mem: int = 0,
-               block_smem_reserve: int = 0, warpgroup_mma: bool = False) -> ChunkPlan:
+               block_smem_reserve: int = 0, warpgroup_mma: bool = False,
+               swizzle: bool = False) -> ChunkPlan:
     """The richest buffering that fits: up to ``CHUNK_STAGES`` stages (the most that fit,
     at least 2; at least 3 for the warpgroup walk, else it is dropped) with u / o staged
     where the target has asynchronous copies, with
     ``chunk_min_blocks`` resident blocks where their share of the compute unit's LDS holds
     those stages (else 1), and warpgroup products where ``chunk_wgmma`` allows them;
-    otherwise one stage, with u / o staged if they fit."""
+    otherwise one stage, with u / o staged if they fit. ``swizzle``: the per-wave walk's
+    tiles unpadded with swizzled pieces (``chunk_swizzle``)."""
     footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
-                                                        wave_size, st, uo, w, CHUNK_SWIZZLE).shared_mem
+                                                        wave_size, st, uo, w, swizzle).shared_mem
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
     wg = (chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
           and footprint(3, True, True) <= shared_mem)
@@ -252,13 +265,13 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         fits = lambda st: footprint(st, True, wg) <= limit
         stages = max(st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st))
         one = lambda st: pass_one_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
-                                            st, True, wg, CHUNK_SWIZZLE).shared_mem <= limit
+                                            st, True, wg, swizzle).shared_mem <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
         return ChunkPlan(stages, True, blocks, wg, one_stages, PASS_ONE_PAIRED and not wg,
-                         CHUNK_SWIZZLE and not wg)
+                         swizzle and not wg)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1, pass_one_paired=PASS_ONE_PAIRED,
-                     swizzle=CHUNK_SWIZZLE)
+                     swizzle=swizzle)
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

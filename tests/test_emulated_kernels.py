@@ -85,20 +85,24 @@ def test_prologue_and_chunk_match_the_reference(case):
 # Tiles of 2, 4, 8 and 16 pieces a row: the shipped c16 d128 / bv128 variant (kg_t, aqk,
 # akk 2; w, qg, u 16), bv16 (u 2) with c32 (kg_t 4) and d64 (w 8), c64 (kg_t 8), and CDNA
 # (one stage, 64-bit operand reads) with bv32 (u 4) and c16.
-SWIZZLED = [PREFILL[8], PREFILL[3], PREFILL[1], PREFILL[6], PREFILL[9]]
+OTHER_LAYOUT = [PREFILL[8], PREFILL[3], PREFILL[1], PREFILL[6], PREFILL[9]]
 
 
 @needs_clang
-@pytest.mark.parametrize("case", SWIZZLED, ids=[_id(c) for c in SWIZZLED])
-def test_swizzled_tiles_match_the_reference(case, monkeypatch):
-    """The chunk scan with its LDS tiles unpadded and their 16-byte pieces swizzled
-    (resources.CHUNK_SWIZZLE): copies and every matrix load and store must use the same
-    placement, or the products read another row's piece."""
+@pytest.mark.parametrize("case", OTHER_LAYOUT, ids=[_id(c) for c in OTHER_LAYOUT])
+def test_the_other_tile_layout_matches_the_reference(case, monkeypatch):
+    """The chunk scan with the LDS tile layout its vendor does not take by default
+    (resources.chunk_swizzle): on NVIDIA the tiles unpadded with their 16-byte pieces
+    swizzled (CHUNK_SWIZZLE), on CDNA rows padded (CHUNK_SWIZZLE_CDNA off). Copies and
+    every matrix load and store must agree on the placement, or the products read
+    another row's piece."""
     from kdagen.render import render
 
-    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", True)
+    cdna = case[0]["target"].startswith("gfx")
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA" if cdna else "CHUNK_SWIZZLE", not cdna)
     kern = check_prefill(*case)
-    assert "kChunkSwizzle = true;" in render(kern.spec).files["kernels.hip"]
+    want = "false" if cdna else "true"
+    assert f"kChunkSwizzle = {want};" in render(kern.spec).files["kernels.hip"]
 
 
 def check_prefill(fields, dtype):
@@ -477,18 +481,20 @@ def test_softplus_gate_over_its_whole_input_range(target):
 @needs_clang
 @pytest.mark.parametrize("target, pass_one_stages, paired, swizzle", [
     ("sm_90", 0, False, False), ("sm_90", 3, False, False), ("gfx942", 0, False, False),
-    ("sm_90", 3, True, False), ("gfx942", 0, True, False), ("sm_90", 3, True, True), ("gfx942", 0, False, True)])
+    ("sm_90", 3, True, False), ("gfx942", 0, True, False), ("sm_90", 3, True, True), ("gfx942", 0, False, True),
+    ("gfx942", 0, True, True)])
 def test_every_group_count_matches_the_single_walk(target, pass_one_stages, paired, swizzle, monkeypatch):
     """The two-pass group scan against the single walk, for group counts that split
     one long walk evenly, unevenly and into groups of one chunk (workspace poisoned:
     a plane read before it is written shows as NaN); on sm_90 also with pass one
     buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two,
     with pass one's state and transfer rows paired in one block (PASS_ONE_PAIRED), and
-    with swizzled tiles (CHUNK_SWIZZLE)."""
+    with swizzled tiles (CHUNK_SWIZZLE, CHUNK_SWIZZLE_CDNA: set here on both vendors)."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
     monkeypatch.setattr(resources, "PASS_ONE_STAGES", pass_one_stages)
     monkeypatch.setattr(resources, "PASS_ONE_PAIRED", paired)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA", swizzle)
     if pass_one_stages:
         from kdagen.render import chunk_plan_for
         from kdagen.spec import KernelSpec
@@ -519,6 +525,7 @@ def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, monkeypatch):
     monkeypatch.setenv("KDAGEN_POISON", "1")
     monkeypatch.setattr(resources, "PASS_ONE_PAIRED", True)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA", swizzle)
     C, D, H = 16, head_dim, 1
     kern = emulated(head_dim=D, chunk_size=C, gate="lower_bound", target=target)
     assert "kPassOnePaired = true;" in render(kern.spec).files["kernels.hip"]

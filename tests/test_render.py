@@ -259,22 +259,28 @@ def test_paired_pass_one_off_by_default_and_never_with_warpgroup_products(monkey
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
 
 
-def test_swizzled_tiles_off_by_default_and_never_with_warpgroup_products(monkeypatch):
-    """CHUNK_SWIZZLE reaches the Config only for the per-wave walk, and its footprint
-    drops the padding of every 16-bit tile (the u / o one too, which the warpgroup
-    walk keeps)."""
-    assert not resources.CHUNK_SWIZZLE
-    assert constexprs(kernels(dict(chunk_size=16)))["kChunkSwizzle"] == "false"
+def test_swizzled_tiles_on_cdna_off_on_nvidia_never_with_warpgroup_products(monkeypatch):
+    """The tile layout per vendor (resources.chunk_swizzle: CHUNK_SWIZZLE on NVIDIA, off
+    until timed; CHUNK_SWIZZLE_CDNA, on) reaches the Config only for the per-wave walk,
+    and its footprint drops the padding of every 16-bit tile (the u / o one too, which the
+    warpgroup walk keeps)."""
+    swz = lambda spec: constexprs(kernels(spec))["kChunkSwizzle"]  # noqa: E731
+    assert not resources.CHUNK_SWIZZLE and resources.CHUNK_SWIZZLE_CDNA
+    assert swz(dict(chunk_size=16)) == "false"
+    for t in ("gfx90a", "gfx942", "gfx950"):
+        assert swz(dict(chunk_size=64, target=t)) == "true"
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA", False)
+    assert swz(dict(chunk_size=64, target="gfx942")) == "false"
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", True)
-    assert constexprs(kernels(dict(chunk_size=16)))["kChunkSwizzle"] == "true"
-    assert constexprs(kernels(dict(chunk_size=64, target="gfx942")))["kChunkSwizzle"] == "true"
+    assert swz(dict(chunk_size=16)) == "true"
+    assert swz(dict(chunk_size=64, target="gfx942")) == "false"
     fp = lambda **kw: resources.chunk_footprint(128, 16, 128, "bf16", 32, 2, True, **kw).shared_mem
     pad = resources.PAD_16BIT
     # w, qg, kg_t, aqk, u / o and akk: 2 stages, 2 bytes
     assert fp() - fp(swizzle=True) == 2 * 2 * (2 * 16 * pad + 128 * pad + 16 * pad + 16 * pad + 16 * pad)
     assert fp(wgmma=True, swizzle=True) == fp(wgmma=True)
     monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
-    assert constexprs(kernels(dict(chunk_size=16)))["kChunkSwizzle"] == "false"
+    assert swz(dict(chunk_size=16)) == "false"
 
 
 def test_warpgroup_tiles_drop_the_ldmatrix_padding():
