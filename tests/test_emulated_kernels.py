@@ -105,6 +105,62 @@ def test_the_other_tile_layout_matches_the_reference(case, monkeypatch):
     assert f"kChunkSwizzle = {want};" in render(kern.spec).files["kernels.hip"]
 
 
+SWIZZLE_PROPERTIES = r"""
+#include "kdagen/numeric.h"
+#include <set>
+// The 16-byte bank group (of the eight in a 128-byte run) of a 16-bit tile element.
+static int group_of(int index) { return (index * 2 / 16) % 8; }
+template <int W> static int check() {
+  constexpr int P = W / 8, ROWS = 64;
+  int bad = 0;
+  std::set<int> seen;
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < W; ++c) {
+      const int i = kdagen::swizzled<W>(r, c);
+      seen.insert(i);
+      bad += i / W != r;                                                        // stays in its row
+      bad += c % 8 != 0 && i != kdagen::swizzled<W>(r, c - c % 8) + c % 8;      // pieces stay whole
+    }
+  bad += static_cast<int>(seen.size()) != ROWS * W || *seen.rbegin() != ROWS * W - 1;  // a permutation
+  for (int r0 = 0; r0 < ROWS; r0 += 8)  // a matrix load / store phase: 8 rows at one piece
+    for (int q = 0; q < P; ++q) {
+      std::set<int> g;
+      for (int j = 0; j < 8; ++j) g.insert(group_of(kdagen::swizzled<W>(r0 + j, 8 * q)));
+      bad += g.size() != 8;
+    }
+  for (int e0 = 0; e0 < ROWS * P; e0 += 8) {  // a copy phase: 8 pieces in row-major order
+    std::set<int> g;
+    for (int e = e0; e < e0 + 8; ++e) g.insert(group_of(kdagen::swizzled<W>(e / P, 8 * (e % P))));
+    bad += g.size() != 8;
+  }
+  return bad;
+}
+int main() {
+  const int bad[] = {check<16>(), check<32>(), check<64>(), check<128>(), check<256>()};
+  for (int b : bad) std::printf("%d ", b);
+  std::printf("\n");
+  return 0;
+}
+"""
+
+
+@needs_clang
+def test_swizzled_layout_is_a_permutation_that_spreads_bank_groups(tmp_path):
+    """`swizzled<W>` (numeric.h) for tiles of 2 to 32 pieces a row: a permutation inside
+    each row that keeps 16-byte pieces whole (the matrix loads read whole pieces), with
+    the eight rows of a matrix load / store phase at one piece, and eight pieces copied
+    in row order, in eight different 16-byte bank groups (what the layout is for)."""
+    from kdagen.emulate import find_clang
+    from kdagen.render import templates_dir
+
+    src, exe = tmp_path / "swz.cpp", tmp_path / "swz"
+    src.write_text(SWIZZLE_PROPERTIES)
+    subprocess.run([find_clang(), "-std=c++20", "-pthread", "-DKDAGEN_EMULATE", "-DKDAGEN_EMULATE_NVIDIA",
+                    f"-I{templates_dir() / 'include'}", str(src), "-o", str(exe)], check=True)
+    bad = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    assert bad == ["0"] * 5, bad
+
+
 def check_prefill(fields, dtype):
     """Prologue and chunk scan (one walk, three groups, u formed from v) against the
     float64 reference, outputs poisoned."""
