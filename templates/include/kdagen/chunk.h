@@ -6,7 +6,9 @@
 // A block owns kBlockV state rows (values v) of one (sequence, head): S^T[v][k] in
 // fp32 registers, 16 rows per wave, as 16x16 accumulator tiles. Every product
 // takes the state (or v_new) from registers as the A operand (`to_a` moves no
-// data) and its other operand from LDS, so waves share only the chunk's tiles:
+// data) and its other operand from LDS, so waves share only the chunk's tiles (rows
+// padded so that ldmatrix meets no bank conflicts, or with Cfg::kChunkSwizzle unpadded,
+// their 16-byte pieces swizzled by row: swizzled<W>, lds_index, TileAt):
 //   v_new^T = u^T - S^T w^T      o^T = scale S^T qg^T + v_new^T aqk^T
 //   S^T     = S^T Diag(decay) + v_new^T kg
 // With warpgroup products (Cfg::kChunkWgmma, sm_90a) four waves issue each product
