@@ -6,7 +6,10 @@
 // cp.async). Every GPU thread of a block is a std::thread; blocks run one after another.
 //   __syncthreads            a barrier of the block's threads
 //   wave collectives         shuffles and matrix instructions meet at a barrier of the
-//                            wave's threads, exchange operands through a wave scratchpad
+//                            wave's threads, exchange operands through a wave scratchpad;
+//                            so do ldmatrix / stmatrix (x4, .trans), from the row address
+//                            each lane names, so the NVIDIA layer's LDS fragment loads run
+//                            the hardware's own address code here
 //   dynamic shared memory    one buffer per block, filled with NaN bytes before it starts
 //                            (a read of anything the block did not write shows up)
 //   wgmma                    products run at the wait that retires them (see WgOp)
@@ -82,6 +85,8 @@ struct Wave {
   std::unique_ptr<std::barrier<>> bar;
   float f[64];                 // shuffles
   float a[64][8], b[64][8];    // matrix operands, as floats
+  uint16_t* rows[64];          // ldmatrix / stmatrix: each lane's row address
+  uint32_t regs[64][4];        // stmatrix: each lane's registers
 };
 
 struct Block {
@@ -214,6 +219,43 @@ inline void mma16816(float* d, const uint32_t* ar, uint32_t b0, uint32_t b1, boo
   }
   w.bar->arrive_and_wait();
   for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l names row l % 8 of 8x8 matrix
+// l / 8 (16 bytes, 16-byte aligned); register i of lane l = 4 g + t receives matrix i's
+// row g, columns 2t and 2t + 1 (with .trans: rows 2t and 2t + 1 of column g).
+inline void check_row(const void* row, const char* what) {
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0) {
+    std::fprintf(stderr, "kdagen emulate: misaligned %s row (%p)\n", what, row);
+    std::abort();
+  }
+}
+inline void ldmatrix_x4(uint32_t* r, const uint16_t* row, bool trans) {
+  check_row(row, "ldmatrix");
+  Wave& w = my_wave();
+  const int l = my_lane(), g = l / 4, t = l % 4;
+  w.rows[l] = const_cast<uint16_t*>(row);
+  w.bar->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) {
+    uint16_t* const* m = &w.rows[8 * i];
+    const uint16_t lo = trans ? m[2 * t][g] : m[g][2 * t];
+    const uint16_t hi = trans ? m[2 * t + 1][g] : m[g][2 * t + 1];
+    r[i] = uint32_t(lo) | (uint32_t(hi) << 16);
+  }
+  w.bar->arrive_and_wait();
+}
+// stmatrix.sync.aligned.m8n8.x4.trans.shared.b16: the registers in ldmatrix's layout,
+// matrix i stored transposed into the rows lanes 8 i .. 8 i + 7 name: stored row j,
+// column c is the fragment's (c, j), held by lane 4 c + j / 2, half j % 2.
+inline void stmatrix_x4_trans(uint16_t* row, const uint32_t* r) {
+  check_row(row, "stmatrix");
+  Wave& w = my_wave();
+  const int l = my_lane(), i = l / 8, j = l % 8;
+  w.rows[l] = row;
+  for (int k = 0; k < 4; ++k) w.regs[l][k] = r[k];
+  w.bar->arrive_and_wait();
+  for (int c = 0; c < 8; ++c) row[c] = uint16_t(w.regs[4 * c + j / 2][i] >> (16 * (j % 2)));
+  w.bar->arrive_and_wait();
 }
 
 struct Copy { void* dst; const void* src; bool pred; };

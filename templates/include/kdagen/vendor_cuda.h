@@ -212,54 +212,12 @@ template <DType T, class F> __device__ __forceinline__ Frag load_b2(F&& f2) {
 // apart (Rows). One ldmatrix.x4 each (rows 16-byte aligned); lane l names row l % 8 of
 // the 8x8 matrix l / 8, which lands in register l / 8. An accessor may place the 16-byte
 // pieces of a row anywhere (swizzled tiles), as long as each piece stays whole.
-#if defined(KDAGEN_EMULATE)
-__device__ __forceinline__ uint32_t two16(const uint16_t* lo, const uint16_t* hi) {
-  return static_cast<uint32_t>(*lo) | (static_cast<uint32_t>(*hi) << 16);
-}
-template <class At> __device__ __forceinline__ Frag load_a_smem_at(At at) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-  Frag a;
-  a.r[0] = *reinterpret_cast<const uint32_t*>(at(g, 2 * t));
-  a.r[1] = *reinterpret_cast<const uint32_t*>(at(g + 8, 2 * t));
-  a.r[2] = *reinterpret_cast<const uint32_t*>(at(g, 2 * t + 8));
-  a.r[3] = *reinterpret_cast<const uint32_t*>(at(g + 8, 2 * t + 8));
-  return a;
-}
-template <class At> __device__ __forceinline__ Frag load_b_smem_at(At at) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-  Frag b;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    b.r[2 * h] = *reinterpret_cast<const uint32_t*>(at(8 * h + g, 2 * t));
-    b.r[2 * h + 1] = *reinterpret_cast<const uint32_t*>(at(8 * h + g, 2 * t + 8));
-  }
-  return b;
-}
-template <class At> __device__ __forceinline__ Frag load_b_smem_kn_at(At at) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-  Frag b;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int n = 8 * h + g;
-    b.r[2 * h] = two16(at(2 * t, n), at(2 * t + 1, n));
-    b.r[2 * h + 1] = two16(at(2 * t + 8, n), at(2 * t + 9, n));
-  }
-  return b;
-}
-template <class At> __device__ __forceinline__ Frag load_a_smem_t_at(At at) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-  Frag a;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // register i: row g + 8 (i & 1), k 2t + 8 (i >> 1)
-    const int k = 2 * t + 8 * (i >> 1), row = g + 8 * (i & 1);
-    a.r[i] = two16(at(k, row), at(k + 1, row));
-  }
-  return a;
-}
-#else
 template <bool kTrans> __device__ __forceinline__ Frag ldmatrix_x4(const uint16_t* row) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(row));
   Frag f;
+#if defined(KDAGEN_EMULATE)
+  kdagen_emu::ldmatrix_x4(f.r, row, kTrans);
+#else
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(row));
   if constexpr (kTrans) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]) : "r"(s) : "memory");
@@ -267,6 +225,7 @@ template <bool kTrans> __device__ __forceinline__ Frag ldmatrix_x4(const uint16_
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]) : "r"(s) : "memory");
   }
+#endif
   return f;
 }
 template <class At> __device__ __forceinline__ Frag load_a_smem_at(At at) {
@@ -281,7 +240,6 @@ template <class At> __device__ __forceinline__ Frag load_b_smem_kn_at(At at) {
   const int m = lane_id() >> 3, r = lane_id() & 7;  // stored rows are k: transposed loads
   return ldmatrix_x4<true>(at(r + 8 * (m & 1), 8 * (m >> 1)));
 }
-#endif
 __device__ __forceinline__ Frag load_a_smem(const uint16_t* p, int ld) { return load_a_smem_at(Rows<const uint16_t>{p, ld}); }
 __device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) { return load_b_smem_at(Rows<const uint16_t>{p, ld}); }
 __device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
@@ -318,24 +276,20 @@ template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint
 // store_tile_t rounds the accumulator to T, load_tile_t widens it back. One
 // stmatrix / ldmatrix .x4.trans: register i holds quadrant (rows 8 (i & 1), columns
 // 8 (i >> 1)), whose transposed rows lanes 8i .. 8i + 7 address.
-#if defined(KDAGEN_EMULATE)
-template <DType T, class At> __device__ __forceinline__ void store_tile_t_at(Acc& c, At at) {
-  for_each(c, [&](int r, int col, float& x) { *at(col, r) = from_float<T>(x); });
-}
-template <DType T, class At> __device__ __forceinline__ void load_tile_t_at(Acc& c, At at) {
-  for_each(c, [&](int r, int col, float& x) { x = to_float<T>(*at(col, r)); });
-}
-#else
 template <class At> __device__ __forceinline__ auto tile_t_row(At at) {
   const int i = lane_id() >> 3, j = lane_id() & 7;
   return at(8 * (i >> 1) + j, 8 * (i & 1));
 }
 template <DType T, class At> __device__ __forceinline__ void store_tile_t_at(Acc& c, At at) {
+  const uint32_t r[4] = {pack2<T>(c.v[0], c.v[1]), pack2<T>(c.v[2], c.v[3]), pack2<T>(c.v[4], c.v[5]),
+                         pack2<T>(c.v[6], c.v[7])};
+#if defined(KDAGEN_EMULATE)
+  kdagen_emu::stmatrix_x4_trans(tile_t_row(at), r);
+#else
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(tile_t_row(at)));
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n"
-               ::"r"(s), "r"(pack2<T>(c.v[0], c.v[1])), "r"(pack2<T>(c.v[2], c.v[3])),
-               "r"(pack2<T>(c.v[4], c.v[5])), "r"(pack2<T>(c.v[6], c.v[7]))
-               : "memory");
+               ::"r"(s), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+#endif
 }
 // The A operand A[row][k] = at(k, row): the same transposed load, its registers already
 // in the A layout (register i: rows 8 (i & 1), k 8 (i >> 1)).
@@ -350,7 +304,6 @@ template <DType T, class At> __device__ __forceinline__ void load_tile_t_at(Acc&
     c.v[2 * i + 1] = to_float<T>(static_cast<uint16_t>(f.r[i] >> 16));
   }
 }
-#endif
 template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
   store_tile_t_at<T>(c, Rows<uint16_t>{p, ld});
 }
