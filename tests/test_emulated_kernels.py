@@ -224,9 +224,11 @@ from kdagen.emulate import emulated
 from kdagen.render import render
 from kdagen.testing import make_inputs, rel_err
 resources.CHUNK_WGMMA = True  # off by default: this run forces the warpgroup walk
+resources.CHUNK_SWIZZLE = True  # ... which keeps its core-matrix tiles all the same
 C = int(sys.argv[1])
 kern = emulated(dict(head_dim=64, chunk_size=C, block_width=64, gate="lower_bound", target="sm_90"))
-assert "kChunkWgmma = true;" in render(kern.spec).files["kernels.hip"]
+src = render(kern.spec).files["kernels.hip"]
+assert "kChunkWgmma = true;" in src and "kChunkSwizzle = false;" in src
 x = make_inputs([1, C - 1, C, C + 1, 2 * C + 5, 7 * C + 3], 2, 64, device="cpu", gate="lower_bound", seed=C)
 p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
 N = x.cu_seqlens.numel() - 1

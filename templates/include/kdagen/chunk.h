@@ -457,9 +457,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
       wave_sync();
       T* const oc = out + t0 * row_hd + h * D + row0;  // this chunk's first row, this wave's columns
       if constexpr (kSwz) {
-        // swizzled: eight neighbouring lanes read one half of eight rows (eight bank groups)
+        // swizzled: eight neighbouring lanes read one half of eight rows (eight bank
+        // groups), the next eight the other half of the same rows (whole 32-byte segments)
         for (int e = lane_id(); e < 2 * C; e += kWaveSize) {
-          const int i = e % C, half = e / C;
+          const int i = 8 * (e >> 4) + (e & 7), half = (e >> 3) & 1;
           if (i < valid)
             *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
                 *reinterpret_cast<const uint4*>(Us + lds_index<BV, Lay::LDU, true>(i, 16 * wave + 8 * half));
