@@ -108,6 +108,13 @@ inline float exp2_ftz(float x) {
 }
 // log2(x) for log2_fast, whose arguments lie in [1, 2] (no subnormals to flush)
 inline float log2_approx(float x) { return std::log2(x); }
+// Stop the run on an address the hardware instruction would fault on (or misread).
+inline void require_aligned(const void* p, uintptr_t bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0) {
+    std::fprintf(stderr, "kdagen emulate: misaligned %s (%p)\n", what, p);
+    std::abort();
+  }
+}
 
 inline float shfl_xor(float x, int o) {
   Wave& w = my_wave();
@@ -224,14 +231,8 @@ inline void mma16816(float* d, const uint32_t* ar, uint32_t b0, uint32_t b1, boo
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l names row l % 8 of 8x8 matrix
 // l / 8 (16 bytes, 16-byte aligned); register i of lane l = 4 g + t receives matrix i's
 // row g, columns 2t and 2t + 1 (with .trans: rows 2t and 2t + 1 of column g).
-inline void check_row(const void* row, const char* what) {
-  if (reinterpret_cast<uintptr_t>(row) % 16 != 0) {
-    std::fprintf(stderr, "kdagen emulate: misaligned %s row (%p)\n", what, row);
-    std::abort();
-  }
-}
 inline void ldmatrix_x4(uint32_t* r, const uint16_t* row, bool trans) {
-  check_row(row, "ldmatrix");
+  require_aligned(row, 16, "ldmatrix row");
   Wave& w = my_wave();
   const int l = my_lane(), g = l / 4, t = l % 4;
   w.rows[l] = const_cast<uint16_t*>(row);
@@ -248,7 +249,7 @@ inline void ldmatrix_x4(uint32_t* r, const uint16_t* row, bool trans) {
 // matrix i stored transposed into the rows lanes 8 i .. 8 i + 7 name: stored row j,
 // column c is the fragment's (c, j), held by lane 4 c + j / 2, half j % 2.
 inline void stmatrix_x4_trans(uint16_t* row, const uint32_t* r) {
-  check_row(row, "stmatrix");
+  require_aligned(row, 16, "stmatrix row");
   Wave& w = my_wave();
   const int l = my_lane(), i = l / 8, j = l % 8;
   w.rows[l] = row;
@@ -270,10 +271,8 @@ inline void land(const Copy& c) {
   else std::memset(c.dst, 0, 16);
 }
 inline void cp_async(void* dst, const void* src, bool pred) {
-  if (reinterpret_cast<uintptr_t>(dst) % 16 || (pred && reinterpret_cast<uintptr_t>(src) % 16)) {
-    std::fprintf(stderr, "kdagen emulate: misaligned cp.async (%p <- %p)\n", dst, src);
-    std::abort();
-  }
+  require_aligned(dst, 16, "cp.async destination");
+  if (pred) require_aligned(src, 16, "cp.async source");
   if (late_copies()) t_open.push_back({dst, src, pred});
   else land({dst, src, pred});
 }

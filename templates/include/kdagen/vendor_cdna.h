@@ -181,9 +181,6 @@ __device__ __forceinline__ Frag load_b_smem(const uint16_t* p, int ld) { return 
 __device__ __forceinline__ Frag load_b_smem_kn(const uint16_t* p, int ld) {
   return load_b_smem_kn_at(Rows<const uint16_t>{p, ld});
 }
-__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) {
-  return load_a_smem_t_at(Rows<const uint16_t>{p, ld});
-}
 
 // B operand element (k, n) times s[k] (fp32, one rounding): this lane's k are 4q .. 4q + 3.
 template <DType T> __device__ __forceinline__ void scale_k(Frag& b, const float* s) {
@@ -203,19 +200,13 @@ template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint
   *reinterpret_cast<i16x4*>(p + (lane_id() & 15) * ld + 4 * (lane_id() >> 4)) = x;
 }
 
-// The tile transposed, through 16-bit LDS at at(col, row): store_tile_t rounds the
-// accumulator to T, load_tile_t widens it back (element by element here).
+// The tile transposed, through 16-bit LDS at at(col, row): store_tile_t_at rounds the
+// accumulator to T, load_tile_t_at widens it back (element by element here).
 template <DType T, class At> __device__ __forceinline__ void store_tile_t_at(Acc& c, At at) {
   for_each(c, [&](int r, int col, float& x) { *at(col, r) = pack1<T>(x); });
 }
 template <DType T, class At> __device__ __forceinline__ void load_tile_t_at(Acc& c, At at) {
   for_each(c, [&](int r, int col, float& x) { x = to_float<T>(*at(col, r)); });
-}
-template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
-  store_tile_t_at<T>(c, Rows<uint16_t>{p, ld});
-}
-template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
-  load_tile_t_at<T>(c, Rows<const uint16_t>{p, ld});
 }
 
 // -x for every element (16-bit floats: flip the sign bits; exact).

@@ -11,7 +11,11 @@
 //   load_a2(f2) / load_b2(f2)  the same, f2 giving two neighbouring k as a float2
 //   load_a_smem / load_b_smem  the same operands read straight from 16-bit LDS
 //   load_b_smem_kn  B[k][n] from 16-bit LDS stored with n contiguous (k along rows)
-//   load_a_smem_t   A[row][k] from 16-bit LDS stored transposed, p[k * ld + row]
+//     (each also as *_at(at): at(r, c) addresses element (r, c) of the stored tile, for
+//     tiles not laid out as rows ld apart: the chunk scan's swizzled ones)
+//   load_a_smem_t_at(at)  A[row][k] from 16-bit LDS stored transposed, at(k, row)
+//   store_tile_t_at / load_tile_t_at(acc, at)  the accumulator transposed through 16-bit
+//              LDS, at(col, row)
 //   scale_k(frag, s)  every element of a B operand times s[k] (fp32, one rounding)
 //   store_tile(acc, p, ld)  the accumulator rounded to 16 bits into LDS, p[row * ld + col]
 //   neg(frag)  the operand negated
@@ -133,10 +137,7 @@ template <class F> __device__ __forceinline__ void for_each(Acc& c, F&& f) {
 constexpr bool kStateRows = true;  // the walks move 16-byte aligned state planes with these
 __device__ __forceinline__ void rows_aligned(const float* p) {
 #if defined(KDAGEN_EMULATE)
-  if (reinterpret_cast<uintptr_t>(p) % 8 != 0) {
-    std::fprintf(stderr, "kdagen emulate: misaligned fp32 rows (%p)\n", static_cast<const void*>(p));
-    std::abort();
-  }
+  kdagen_emu::require_aligned(p, 8, "fp32 rows");
 #else
   (void)p;
 #endif
@@ -273,7 +274,7 @@ template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint
 }
 
 // The tile transposed, through 16-bit LDS at at(col, row) (rows 16-byte aligned):
-// store_tile_t rounds the accumulator to T, load_tile_t widens it back. One
+// store_tile_t_at rounds the accumulator to T, load_tile_t_at widens it back. One
 // stmatrix / ldmatrix .x4.trans: register i holds quadrant (rows 8 (i & 1), columns
 // 8 (i >> 1)), whose transposed rows lanes 8i .. 8i + 7 address.
 template <class At> __device__ __forceinline__ auto tile_t_row(At at) {
@@ -303,15 +304,6 @@ template <DType T, class At> __device__ __forceinline__ void load_tile_t_at(Acc&
     c.v[2 * i] = to_float<T>(static_cast<uint16_t>(f.r[i] & 0xffffu));
     c.v[2 * i + 1] = to_float<T>(static_cast<uint16_t>(f.r[i] >> 16));
   }
-}
-template <DType T> __device__ __forceinline__ void store_tile_t(Acc& c, uint16_t* p, int ld) {
-  store_tile_t_at<T>(c, Rows<uint16_t>{p, ld});
-}
-template <DType T> __device__ __forceinline__ void load_tile_t(Acc& c, const uint16_t* p, int ld) {
-  load_tile_t_at<T>(c, Rows<const uint16_t>{p, ld});
-}
-__device__ __forceinline__ Frag load_a_smem_t(const uint16_t* p, int ld) {
-  return load_a_smem_t_at(Rows<const uint16_t>{p, ld});
 }
 
 // -x for every element (16-bit floats: flip the sign bits; exact).
