@@ -16,6 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/carried_wheels.sh
+source scripts/set_constants.sh
 export PYTHONUNBUFFERED=1
 read -r shapes gate chunk width <<< "$1"; shift
 root=/tmp/kdagen-ab
@@ -28,11 +29,7 @@ for v in "$@"; do
   if [[ $name == *@* ]]; then tree=${name#*@}; name=${name%%@*}; fi
   d=$root/$name
   mkdir -p "$d"; cp -r "$tree/kdagen" "$tree/templates" "$tree/scripts" "$d/" || exit 2
-  for kv in ${sets//,/ }; do
-    k=${kv%%=*}; val=${kv#*=}
-    grep -q "^$k = " "$d/kdagen/resources.py" || { echo "no constant $k in resources.py"; exit 2; }
-    sed -i "s/^$k = .*/$k = $val/" "$d/kdagen/resources.py"
-  done
+  set_constants "$d/kdagen/resources.py" ${sets//,/ } || exit 2
   (cd "$d" && KDAGEN_CACHE_DIR="$d/cache" PYTHONPATH="$d:$PYTHONPATH" python3 -c "
 import kdagen
 kdagen.load(dict(target='sm_90', head_dim=128, chunk_size=$chunk, block_width=$width, gate='$gate'))

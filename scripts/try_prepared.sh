@@ -23,17 +23,15 @@ OUT=${OUT:-/tmp/kdagen-out}; mkdir -p "$OUT"
 mode=${1:-time}
 sw=CHUNK_SWIZZLE=True pr=PASS_ONE_PAIRED=True
 
+source scripts/set_constants.sh
+
 # A copy of this checkout in $tree with the given CONST=V set in its resources.py.
 tree=/tmp/kdagen-prepared
 prepared_tree() {
   rm -rf "$tree"; mkdir -p "$tree"
   cp -r kdagen templates scripts tests examples "$tree/" || return 2
   [ -d .whl ] && ln -s "$PWD/.whl" "$tree/.whl"
-  for kv in "$@"; do
-    local k=${kv%%=*} v=${kv#*=}
-    sed -i "s/^$k = .*/$k = $v/" "$tree/kdagen/resources.py"
-    grep -q "^$k = $v\$" "$tree/kdagen/resources.py" || { echo "no constant $k"; return 2; }
-  done
+  set_constants "$tree/kdagen/resources.py" "$@"
 }
 
 case "$mode" in
