@@ -114,14 +114,22 @@ def prologue_min_blocks(shared_mem_bytes: int, cu_smem: int, reserve: int,
 def chunk_footprint(
     head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
     stages: int = 1, stage_uo: bool = False, wgmma: bool = False, swizzle: bool = False,
+    split_k: int = 1,
 ) -> Footprint:
     """Per stage: w, qg (C x K), kg_t (K x C), aqk (C x C) tiles (rows padded for
     ldmatrix; unpadded core-matrix tiles with ``wgmma``; unpadded rows of swizzled 16-byte
     pieces with ``swizzle``), [the u / o tile (C x block_width) and the akk tile (C x C)
     of the walk that forms u from v], and the fp32 chunk decay; ``stages`` such buffers
-    (the largest walk's: pass one of the chunk groups stages no qg / aqk tiles)."""
-    return _walk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
-                           stage_uo, wgmma, swizzle, outputs=True)
+    (the largest walk's: pass one of the chunk groups stages no qg / aqk tiles).
+    ``split_k`` > 1: the K-split single walk, that many waves per 16 rows and their
+    exchange of partial products (a 1 KB slot per wave, v_new^T / o^T and 16 columns of
+    the chunk) after the stages."""
+    fp = _walk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
+                         stage_uo, wgmma, swizzle, outputs=True)
+    if split_k <= 1:
+        return fp
+    exchange = (block_width // 16) * split_k * 2 * (chunk_size // 16) * 256 * 4
+    return Footprint(fp.threads * split_k, fp.shared_mem + exchange)
 
 
 def pass_one_footprint(
@@ -172,6 +180,7 @@ class ChunkPlan:
     pass_one_stages: int = 0  # the grouped walk's pass one; 0 (one stage, no async copies): ``stages``
     pass_one_paired: bool = False  # pass one's state and transfer rows in one block (PASS_ONE_PAIRED)
     swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (chunk_swizzle)
+    split_k: int = 1  # the single walk's waves per 16 state rows (> 1: the K-split walk, walk_split_k)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -217,6 +226,28 @@ CHUNK_SWIZZLE = False
 CHUNK_SWIZZLE_CDNA = True
 
 
+# The single walk of narrow blocks with each 16-row block's state columns split over this
+# many waves (the K-split walk, templates `kSplitOf`): 16 x D / WALK_SPLIT_K fp32 values of
+# state a wave, the products over K summed through an LDS exchange (one more barrier per
+# chunk). It is meant for shapes with few (sequence, head) chains (1x32768x32: 32 chains),
+# where the grouped walk pays pass one (about 2 x 7/8 of a state walk at 8 groups) and the
+# single walk of bv128 blocks fills 32 SMs: at bv32 a head takes 4 blocks of 8 waves (128
+# blocks), each wave a quarter of the per-wave step's products. 1: off, not timed yet
+# (docs/NOTES.md, "K-split walk"). Applies to blocks up to WALK_SPLIT_WIDTH wide.
+WALK_SPLIT_K = 1
+WALK_SPLIT_WIDTH = 32
+
+
+def walk_split_k(head_dim: int, block_width: int, wave_size: int, wgmma: bool = False) -> int:
+    """Waves per 16 state rows of the single walk of this block width: ``WALK_SPLIT_K``
+    for blocks up to ``WALK_SPLIT_WIDTH`` wide whose column tiles divide evenly and whose
+    waves fit a block, with the per-wave products; else 1."""
+    ks = WALK_SPLIT_K
+    if ks <= 1 or wgmma or block_width > WALK_SPLIT_WIDTH or (head_dim // 16) % ks != 0:
+        return 1
+    return ks if (block_width // 16) * ks * wave_size <= MAX_THREADS_PER_BLOCK else 1
+
+
 def chunk_swizzle(vendor: str) -> bool:
     """Whether the per-wave chunk scan of a ``vendor`` ("nvidia", "amd") target swizzles
     its LDS tiles instead of padding their rows."""
@@ -249,7 +280,8 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     ``chunk_min_blocks`` resident blocks where their share of the compute unit's LDS holds
     those stages (else 1), and warpgroup products where ``chunk_wgmma`` allows them;
     otherwise one stage, with u / o staged if they fit. ``swizzle``: the per-wave walk's
-    tiles unpadded with swizzled pieces (``chunk_swizzle``)."""
+    tiles unpadded with swizzled pieces (``chunk_swizzle``). The single walk splits its
+    state columns over ``walk_split_k`` waves where the exchange fits beside the stages."""
     footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
                                                         wave_size, st, uo, w, swizzle).shared_mem
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
@@ -267,11 +299,20 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         one = lambda st: pass_one_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
                                             st, True, wg, swizzle).shared_mem <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
+        # the K-split single walk where its exchange fits beside the stages
+        ks = walk_split_k(head_dim, block_width, wave_size, wg)
+        if ks > 1 and chunk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
+                                      True, wg, swizzle, ks).shared_mem > limit:
+            ks = 1
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
         return ChunkPlan(stages, True, blocks, wg, one_stages, PASS_ONE_PAIRED and not wg,
-                         swizzle and not wg)
-    return ChunkPlan(1, footprint(1, True) <= shared_mem, 1, pass_one_paired=PASS_ONE_PAIRED,
-                     swizzle=swizzle)
+                         swizzle and not wg, ks)
+    uo = footprint(1, True) <= shared_mem
+    ks = walk_split_k(head_dim, block_width, wave_size)
+    if ks > 1 and chunk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, 1, uo,
+                                  False, swizzle, ks).shared_mem > shared_mem:
+        ks = 1
+    return ChunkPlan(1, uo, 1, pass_one_paired=PASS_ONE_PAIRED, swizzle=swizzle, split_k=ks)
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

@@ -147,6 +147,7 @@ def test_default_constexprs():
         "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
         "kPassOnePaired": "false",  # resources.PASS_ONE_PAIRED: pass one's state and transfer rows apart (not timed paired)
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles not timed)
+        "kWalkSplitK": "1",  # resources.WALK_SPLIT_K: the single walk unsplit (K-split walk not timed)
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -257,6 +258,36 @@ def test_paired_pass_one_off_by_default_and_never_with_warpgroup_products(monkey
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "true"
     monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
+
+
+def test_k_split_walk_only_for_narrow_blocks_and_where_its_exchange_fits(monkeypatch):
+    """resources.WALK_SPLIT_K (off until timed) reaches the Config of variants whose
+    blocks are at most WALK_SPLIT_WIDTH wide and whose column tiles split evenly, never
+    with warpgroup products; the footprint adds its waves and their exchange (1 KB a
+    wave, v_new^T and o^T, per 16 columns of the chunk), and a plan whose exchange does
+    not fit beside the stages stays unsplit."""
+    split = lambda spec: constexprs(kernels(spec))["kWalkSplitK"]  # noqa: E731
+    assert resources.WALK_SPLIT_K == 1
+    assert split(dict(chunk_size=16, block_width=32)) == "1"
+    monkeypatch.setattr(resources, "WALK_SPLIT_K", 4)
+    assert split(dict(chunk_size=16, block_width=32)) == "4"
+    assert split(dict(chunk_size=16, block_width=16, target="gfx942")) == "4"
+    assert split(dict(chunk_size=16, block_width=64)) == "1"  # wider than WALK_SPLIT_WIDTH
+    assert split(dict(chunk_size=16)) == "1"  # the shipped bv128
+    assert resources.walk_split_k(128, 32, 32, wgmma=True) == 1
+    assert resources.walk_split_k(48, 16, 32) == 1  # 3 column tiles do not split in 4
+    monkeypatch.setattr(resources, "WALK_SPLIT_K", 8)
+    assert resources.walk_split_k(128, 32, 64) == 8  # 2 x 8 wave64s = 1024 lanes
+    monkeypatch.setattr(resources, "WALK_SPLIT_WIDTH", 64)
+    assert resources.walk_split_k(128, 64, 64) == 1  # 2048 lanes: too many
+    base = resources.chunk_footprint(128, 32, 32, "bf16", 32, 2, True)
+    fp = resources.chunk_footprint(128, 32, 32, "bf16", 32, 2, True, split_k=4)
+    assert fp.threads == 4 * base.threads == 256
+    assert fp.shared_mem == base.shared_mem + 2 * 4 * 2 * 2 * 1024
+    monkeypatch.setattr(resources, "WALK_SPLIT_K", 4)
+    fits = resources.chunk_plan(128, 32, 32, "bf16", 32, fp.shared_mem, True)
+    short = resources.chunk_plan(128, 32, 32, "bf16", 32, fp.shared_mem - 16, True)
+    assert (fits.split_k, fits.stages, short.split_k, short.stages) == (4, 2, 1, 2)
 
 
 def test_swizzled_tiles_on_cdna_off_on_nvidia_never_with_warpgroup_products(monkeypatch):
