@@ -310,12 +310,15 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
   // One 16-byte piece per thread of each w / qg / u and kg_t tile (and of aqk, decay for
   // the first threads): the piece's offsets are fixed for the walk, only the chunk's
   // 64-bit base moves.
-  constexpr bool kOnePiece = !kWg && C * D / 8 == NT && C * BV / 8 == NT && D * C / 8 == NT &&
+  // (u's tile may be narrower, BV < D: its pieces on the first threads, their own row / column)
+  constexpr bool kOnePiece = !kWg && C * D / 8 == NT && C * BV / 8 <= NT && D * C / 8 == NT &&
                              C * C / 8 <= NT && D / 4 <= NT;
   const int tid = threadIdx.x;
   const int pr = tid / (D / 8), pc = (tid % (D / 8)) * 8;  // w / qg / u piece: row, column
   const int p_off = pr * ld_hd + pc, p_dst = lds_index<D, LDW, kSwz>(pr, pc);
-  const int p_udst = lds_index<BV, Lay::LDU, kSwz>(pr, pc), pu_off = pr * ld_u + pc;
+  constexpr bool kUWide = BV == D;  // u's pieces are w's
+  const int ur = kUWide ? pr : tid / (BV / 8), uc = kUWide ? pc : (tid % (BV / 8)) * 8;  // u piece (tid < C * BV / 8)
+  const int p_udst = lds_index<BV, Lay::LDU, kSwz>(ur, uc), pu_off = ur * ld_u + uc;
   const int ar = tid / (C / 8), ac = (tid % (C / 8)) * 8;  // aqk piece (tid < C * C / 8)
   const int a_off = ar * ld_hc + ac, a_dst = lds_index<C, LDC, kSwz>(ar, ac);
   const int k_dst = lds_index<C, LDC, kSwz>(tid / (C / 8), (tid % (C / 8)) * 8);  // kg_t piece tid of D * C
@@ -335,7 +338,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
       }
       async::copy16(st.KGs + k_dst, static_cast<const uint16_t*>(a.kg_t) + next_ch * C + 8 * tid, true);
       if constexpr (Cfg::kStageUO) {
-        if (!transfer) async::copy16(st.Us + p_udst, u + next_u + (in ? pu_off : pc), in);
+        if (!transfer && (kUWide || tid < C * BV / 8)) {
+          const bool uin = ur < valid;
+          async::copy16(st.Us + p_udst, u + next_u + (uin ? pu_off : uc), uin);
+        }
       }
       if constexpr (Lay::kAkkTile) {
         if (!transfer && tid < C * C / 8) {
