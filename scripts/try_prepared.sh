@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the walk changes prepared on the CPU and not yet timed (docs/NOTES.md,
 # "Next after v20"): the swizzled tiles (resources.CHUNK_SWIZZLE) and the paired pass one
-# (resources.PASS_ONE_PAIRED), each alone and both together, against this checkout.
+# (resources.PASS_ONE_PAIRED), each alone and both together, against this checkout; and
+# the K-split single walk (resources.WALK_SPLIT_K) for few long sequences.
 #
 #   bash scripts/try_prepared.sh time [shapes]  # A/B, two rounds
 #                                               # (default shapes 8x4096:32,1x32768:32)
@@ -13,6 +14,10 @@
 #   bash scripts/try_prepared.sh profile [paired] # ncu on pass one (1x32768x32, 8 groups) with the
 #                                               # swizzled tiles (and the paired pass one):
 #                                               # $OUT/profile_prepared/ (profile.sh's files)
+#   bash scripts/try_prepared.sh split [shapes] # the K-split single walk (resources.WALK_SPLIT_K)
+#                                               # at bv32 / bv16, one group, against the unsplit
+#                                               # bv32 walk and this checkout's bv128 grouped walk
+#                                               # (default shapes 1x32768:32,1x131072:8)
 #
 # Each mode fits one 10-minute device call (carry [".whl"]). Results are appended to
 # $OUT/prepared_time.txt and $OUT/prepared_test.log as they come, so a call cut short still
@@ -59,5 +64,16 @@ case "$mode" in
     (cd "$tree" && OUT="$OUT/profile_prepared" KDAGEN_NCU_KERNELS=chunk_kernel KDAGEN_NCU_SKIP=2 \
       KDAGEN_GROUPS=8 bash scripts/profile.sh 1x32768:32 lower_bound 16 128) 2>&1 | tee -a "$OUT/prepared_profile.log"
     ;;
-  *) echo "usage: $0 time [shapes] | test | groups [counts] | profile [paired]"; exit 2 ;;
+  split)
+    shapes=${2:-1x32768:32,1x131072:8}
+    echo "bv128, the tuned groups (this checkout)" | tee -a "$OUT/prepared_time.txt"
+    bash scripts/ab_variants.sh "$shapes lower_bound 16 128" base: 2>&1 | tee -a "$OUT/prepared_time.txt"
+    echo "bv32, one group: unsplit / split in 2, 4, 8 waves" | tee -a "$OUT/prepared_time.txt"
+    KDAGEN_GROUPS=1 bash scripts/ab_variants.sh "$shapes lower_bound 16 32" \
+      bv32: ks2:WALK_SPLIT_K=2 ks4:WALK_SPLIT_K=4 ks8:WALK_SPLIT_K=8 2>&1 | tee -a "$OUT/prepared_time.txt"
+    echo "bv16, one group: split in 4, 8 waves" | tee -a "$OUT/prepared_time.txt"
+    KDAGEN_GROUPS=1 bash scripts/ab_variants.sh "$shapes lower_bound 16 16" \
+      ks4w16:WALK_SPLIT_K=4 ks8w16:WALK_SPLIT_K=8 2>&1 | tee -a "$OUT/prepared_time.txt"
+    ;;
+  *) echo "usage: $0 time [shapes] | test | groups [counts] | profile [paired] | split [shapes]"; exit 2 ;;
 esac
