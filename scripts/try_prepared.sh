@@ -2,7 +2,8 @@
 # One device call for the walk changes prepared on the CPU and not yet timed (docs/NOTES.md,
 # "Next after v20"): the swizzled tiles (resources.CHUNK_SWIZZLE) and the paired pass one
 # (resources.PASS_ONE_PAIRED), each alone and both together, against this checkout; and
-# the K-split single walk (resources.WALK_SPLIT_K) for few long sequences.
+# the K-split single walk (resources.WALK_SPLIT_K) for few long sequences. `time` also
+# runs the tree before the walk's fixed-count o stores (prev: landed untimed in session 17).
 #
 #   bash scripts/try_prepared.sh time [shapes]  # A/B, two rounds
 #                                               # (default shapes 8x4096:32,1x32768:32)
@@ -39,11 +40,21 @@ prepared_tree() {
   set_constants "$tree/kdagen/resources.py" "$@"
 }
 
+# This checkout without the walk's fixed-count o stores (landed in session 17 untimed:
+# docs/wip/walk-store-o-fixed-count.patch, reversed), for the `time` A/B.
+prev=/tmp/kdagen-prev
+prev_tree() {
+  rm -rf "$prev"; mkdir -p "$prev"
+  cp -r kdagen templates scripts "$prev/" || return 2
+  patch -s -R -p1 -d "$prev" < docs/wip/walk-store-o-fixed-count.patch
+}
+
 case "$mode" in
   time)
     shapes=${2:-8x4096:32,1x32768:32}
+    prev_tree || echo "no prev tree (patch failed): the prev rows will be missing"
     bash scripts/ab_variants.sh "$shapes lower_bound 16 128" \
-      base: sw:$sw pr:$pr swpr:$sw,$pr base2: sw2:$sw pr2:$pr swpr2:$sw,$pr \
+      base: prev@$prev: sw:$sw pr:$pr swpr:$sw,$pr base2: prev2@$prev: sw2:$sw pr2:$pr swpr2:$sw,$pr \
       2>&1 | tee -a "$OUT/prepared_time.txt"
     ;;
   test)

@@ -482,23 +482,27 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
       if (ci == 0) wave_sync();
       mma::store_tile_t_at<Io>(oc, UBlock{Us, 16 * ci, 16 * vw});  // o^T -> o
     };
+    // (a fixed count of pieces per lane, unrolled: as a loop from lane_id() nvcc built a
+    // remainder loop and a four-way unrolled one around the one or two pieces a lane has)
     auto store_o = [&]() {
       wave_sync();
       T* const oc = out + t0 * row_hd + h * D + row0;  // this chunk's first row, this wave's columns
-      if constexpr (kSwz) {
-        // swizzled: eight neighbouring lanes read one half of eight rows (eight bank
-        // groups), the next eight the other half of the same rows (whole 32-byte segments)
-        for (int e = lane_id(); e < 2 * C; e += kWaveSize) {
+      constexpr int PIECES = 2 * C, PER_LANE = (PIECES + kWaveSize - 1) / kWaveSize;
+#pragma unroll
+      for (int m = 0; m < PER_LANE; ++m) {
+        const int e = lane_id() + m * kWaveSize;  // piece e of the wave's C rows x 32 bytes
+        if constexpr (kSwz) {
+          // swizzled: eight neighbouring lanes read one half of eight rows (eight bank
+          // groups), the next eight the other half of the same rows (whole 32-byte segments)
           const int i = 8 * (e >> 4) + (e & 7), half = (e >> 3) & 1;
-          if (i < valid)
+          if ((PIECES % kWaveSize == 0 || e < PIECES) && i < valid)
             *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
                 *reinterpret_cast<const uint4*>(Us + lds_index<BV, Lay::LDU, true>(i, 16 * vw + 8 * half));
-        }
-      } else {
-        for (int e = lane_id(); e < 2 * valid; e += kWaveSize) {
+        } else {
           const int i = e >> 1, half = e & 1;
-          *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
-              *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * vw + 8 * half);
+          if (i < valid)
+            *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
+                *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * vw + 8 * half);
         }
       }
     };
