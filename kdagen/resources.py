@@ -209,7 +209,7 @@ CHUNK_U_APART = True
 # blocks. Off: not timed yet. ncu on pass one (H200, c16, 1x32768x32, docs/NOTES.md v20)
 # put its LDS wavefronts (78% of peak, the highest unit) at 142 per warp and chunk, about
 # 96 of them the w / kg_t / decay reads that pairing halves per row.
-PASS_ONE_PAIRED = False
+PASS_ONE_PAIRED = True
 
 # The per-wave walks' 16-bit LDS tiles (w, qg, kg_t, aqk, akk, u / o) stored unpadded with
 # their 16-byte pieces swizzled by row (templates: `swizzled`, `lds_index`) instead of

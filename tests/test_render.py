@@ -145,7 +145,7 @@ def test_default_constexprs():
         "kStageUO": "true",
         "kChunkWgmma": "false",  # resources.CHUNK_WGMMA: per-wave mma.sync (measured faster)
         "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
-        "kPassOnePaired": "false",  # resources.PASS_ONE_PAIRED: pass one's state and transfer rows apart (not timed paired)
+        "kPassOnePaired": "true",  # resources.PASS_ONE_PAIRED: pass one's state and transfer rows in one block (timed faster, session 17)
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles not timed)
         "kWalkSplitK": "1",  # resources.WALK_SPLIT_K: the single walk unsplit (K-split walk not timed)
         "kPad16": str(resources.PAD_16BIT),
