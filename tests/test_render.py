@@ -249,14 +249,16 @@ def test_warpgroup_products_off_by_default():
     assert constexprs(kernels(dict(chunk_size=16)))["kChunkWgmma"] == "false"
 
 
-def test_paired_pass_one_off_by_default_and_never_with_warpgroup_products(monkeypatch):
-    """PASS_ONE_PAIRED reaches the Config (and with it pass one's grid and launch bound)
-    only where the walk takes the per-wave products."""
-    assert not resources.PASS_ONE_PAIRED
-    assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
-    monkeypatch.setattr(resources, "PASS_ONE_PAIRED", True)
+def test_paired_pass_one_on_by_default_and_never_with_warpgroup_products(monkeypatch):
+    """PASS_ONE_PAIRED (on since session 17, timed faster) reaches the Config (and with it
+    pass one's grid and launch bound) only where the walk takes the per-wave products."""
+    assert resources.PASS_ONE_PAIRED
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "true"
+    assert constexprs(kernels(dict(chunk_size=64, target="gfx942")))["kPassOnePaired"] == "true"
     monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
+    assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
+    monkeypatch.setattr(resources, "PASS_ONE_PAIRED", False)
+    monkeypatch.setattr(resources, "CHUNK_WGMMA", False)
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
 
 
