@@ -114,22 +114,14 @@ def prologue_min_blocks(shared_mem_bytes: int, cu_smem: int, reserve: int,
 def chunk_footprint(
     head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
     stages: int = 1, stage_uo: bool = False, wgmma: bool = False, swizzle: bool = False,
-    split_k: int = 1,
 ) -> Footprint:
     """Per stage: w, qg (C x K), kg_t (K x C), aqk (C x C) tiles (rows padded for
     ldmatrix; unpadded core-matrix tiles with ``wgmma``; unpadded rows of swizzled 16-byte
     pieces with ``swizzle``), [the u / o tile (C x block_width) and the akk tile (C x C)
     of the walk that forms u from v], and the fp32 chunk decay; ``stages`` such buffers
-    (the largest walk's: pass one of the chunk groups stages no qg / aqk tiles).
-    ``split_k`` > 1: the K-split single walk, that many waves per 16 rows and their
-    exchange of partial products (a 1 KB slot per wave, v_new^T / o^T and 16 columns of
-    the chunk) after the stages."""
-    fp = _walk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
-                         stage_uo, wgmma, swizzle, outputs=True)
-    if split_k <= 1:
-        return fp
-    exchange = (block_width // 16) * split_k * 2 * (chunk_size // 16) * 256 * 4
-    return Footprint(fp.threads * split_k, fp.shared_mem + exchange)
+    (the largest walk's: pass one of the chunk groups stages no qg / aqk tiles)."""
+    return _walk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
+                           stage_uo, wgmma, swizzle, outputs=True)
 
 
 def pass_one_footprint(
@@ -178,9 +170,8 @@ class ChunkPlan:
     min_blocks: int = 1  # blocks the launch bound keeps resident per compute unit
     wgmma: bool = False  # products as warpgroup instructions (B operands read from LDS by the tensor cores)
     pass_one_stages: int = 0  # the grouped walk's pass one; 0 (one stage, no async copies): ``stages``
-    pass_one_paired: bool = False  # pass one's state and transfer rows in one block (PASS_ONE_PAIRED)
+    pass_one_paired: bool = False  # pass one's state and transfer rows in one block (pass_one_paired)
     swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (chunk_swizzle)
-    split_k: int = 1  # the single walk's waves per 16 state rows (> 1: the K-split walk, walk_split_k)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -206,46 +197,36 @@ CHUNK_U_APART = True
 # The grouped walk's pass one with a block's state rows and transfer rows together (each
 # wave 16 of each: the w / kg_t fragments, the decay and each chunk's copies shared by the
 # pair, the block alone on its compute unit with up to 255 registers) instead of separate
-# blocks. Off: not timed yet. ncu on pass one (H200, c16, 1x32768x32, docs/NOTES.md v20)
-# put its LDS wavefronts (78% of peak, the highest unit) at 142 per warp and chunk, about
-# 96 of them the w / kg_t / decay reads that pairing halves per row.
+# blocks. On: H200, c16, lower bound, busy-stream graph (docs/NOTES.md v21): pass one
+# 0.614-0.620 -> 0.532-0.537 ms at 1x32768x32 in 8 groups (e2e 1.833-1.871 -> 1.741-1.754),
+# 1x131072x8 1.977 -> 1.839; 8 groups stay the best count (4: 1.827, 5: 1.917, 6: 2.075,
+# 16: 1.800 ms); with the swizzled tiles as well, slower (0.550). CDNA takes it on the same
+# evidence (its reads per row halve there too; gfx90a / gfx942 c64 222-228 VGPRs, no
+# scratch; untimed).
 PASS_ONE_PAIRED = True
+
+
+def pass_one_paired(chunk_size: int, wave_size: int) -> bool:
+    """Whether pass one pairs state and transfer rows (PASS_ONE_PAIRED) for this chunk
+    size: where a lane's two state tiles and the chunk's fragments fit its registers -
+    chunks up to 32 on wave32 (sm_90a c16 / c32: 214-236 registers, no spills; c64 spilled
+    32 bytes at bv128, 76 at bv64), every chunk on wave64 (half the state per lane)."""
+    return PASS_ONE_PAIRED and (wave_size == 64 or chunk_size <= 32)
 
 # The per-wave walks' 16-bit LDS tiles (w, qg, kg_t, aqk, akk, u / o) stored unpadded with
 # their 16-byte pieces swizzled by row (templates: `swizzled`, `lds_index`) instead of
 # rows padded by PAD_16BIT; the warpgroup walk keeps its core-matrix tiles.
-# NVIDIA: off, not timed yet. ncu on pass one (H200, c16, 1x32768x32, docs/NOTES.md v20)
-# put L1 / shared at 78% of peak, the highest unit, with 28M of its 130M LDS wavefronts
-# excess, all in the copies into padded rows (the kg_t copy 24 wavefronts per warp
-# instruction against 4, the w and v copies 10.5).
+# NVIDIA: off. ncu on pass one (H200, c16, 1x32768x32, docs/NOTES.md v20) put L1 / shared
+# at 78% of peak with 28M of its 130M LDS wavefronts excess, all in the copies into padded
+# rows; timed in v21 (c16 lb): the single walk and pass two unchanged (0.526 / 0.522 ms
+# against 0.525 / 0.523), the unpaired pass one 0.614 -> 0.565, but the paired one (on)
+# 0.532 -> 0.550: no gain where it runs.
 CHUNK_SWIZZLE = False
 # CDNA: on (untimed: no AMD GPU here), on compile evidence (Debian hipcc, gfx90a and gfx942
 # through gfx940, d128 / bv128, docs/BENCHMARKS.md "AMD"): at chunk 64, the CDNA default,
 # the padded walks take 255-256 VGPRs and 20-120 bytes / lane of scratch, the swizzled
 # ones 212-238 VGPRs and none; at chunk 16 the swizzled walks take 2-10 VGPRs fewer.
 CHUNK_SWIZZLE_CDNA = True
-
-
-# The single walk of narrow blocks with each 16-row block's state columns split over this
-# many waves (the K-split walk, templates `kSplitOf`): 16 x D / WALK_SPLIT_K fp32 values of
-# state a wave, the products over K summed through an LDS exchange (one more barrier per
-# chunk). It is meant for shapes with few (sequence, head) chains (1x32768x32: 32 chains),
-# where the grouped walk pays pass one (about 2 x 7/8 of a state walk at 8 groups) and the
-# single walk of bv128 blocks fills 32 SMs: at bv32 a head takes 4 blocks of 8 waves (128
-# blocks), each wave a quarter of the per-wave step's products. 1: off, not timed yet
-# (docs/NOTES.md, "K-split walk"). Applies to blocks up to WALK_SPLIT_WIDTH wide.
-WALK_SPLIT_K = 1
-WALK_SPLIT_WIDTH = 32
-
-
-def walk_split_k(head_dim: int, block_width: int, wave_size: int, wgmma: bool = False) -> int:
-    """Waves per 16 state rows of the single walk of this block width: ``WALK_SPLIT_K``
-    for blocks up to ``WALK_SPLIT_WIDTH`` wide whose column tiles divide evenly and whose
-    waves fit a block, with the per-wave products; else 1."""
-    ks = WALK_SPLIT_K
-    if ks <= 1 or wgmma or block_width > WALK_SPLIT_WIDTH or (head_dim // 16) % ks != 0:
-        return 1
-    return ks if (block_width // 16) * ks * wave_size <= MAX_THREADS_PER_BLOCK else 1
 
 
 def chunk_swizzle(vendor: str) -> bool:
@@ -280,8 +261,7 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     ``chunk_min_blocks`` resident blocks where their share of the compute unit's LDS holds
     those stages (else 1), and warpgroup products where ``chunk_wgmma`` allows them;
     otherwise one stage, with u / o staged if they fit. ``swizzle``: the per-wave walk's
-    tiles unpadded with swizzled pieces (``chunk_swizzle``). The single walk splits its
-    state columns over ``walk_split_k`` waves where the exchange fits beside the stages."""
+    tiles unpadded with swizzled pieces (``chunk_swizzle``)."""
     footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
                                                         wave_size, st, uo, w, swizzle).shared_mem
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
@@ -299,20 +279,11 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         one = lambda st: pass_one_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
                                             st, True, wg, swizzle).shared_mem <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
-        # the K-split single walk where its exchange fits beside the stages
-        ks = walk_split_k(head_dim, block_width, wave_size, wg)
-        if ks > 1 and chunk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, stages,
-                                      True, wg, swizzle, ks).shared_mem > limit:
-            ks = 1
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
-        return ChunkPlan(stages, True, blocks, wg, one_stages, PASS_ONE_PAIRED and not wg,
-                         swizzle and not wg, ks)
-    uo = footprint(1, True) <= shared_mem
-    ks = walk_split_k(head_dim, block_width, wave_size)
-    if ks > 1 and chunk_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, 1, uo,
-                                  False, swizzle, ks).shared_mem > shared_mem:
-        ks = 1
-    return ChunkPlan(1, uo, 1, pass_one_paired=PASS_ONE_PAIRED, swizzle=swizzle, split_k=ks)
+        return ChunkPlan(stages, True, blocks, wg, one_stages,
+                         pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg)
+    return ChunkPlan(1, footprint(1, True) <= shared_mem, 1,
+                     pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle)
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

@@ -595,60 +595,6 @@ def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, monkeypatch):
 
 
 @needs_clang
-@pytest.mark.parametrize("target, D, C, bv, ks", [
-    ("sm_90", 128, 16, 32, 4),  # the form meant for few long sequences (bv32, 8 waves a block)
-    ("sm_90", 64, 32, 16, 2),   # two 16-column tiles of the chunk: o's exchange per tile
-    ("gfx942", 64, 16, 32, 4),  # wave64, one stage
-])
-def test_k_split_walk_matches_the_unsplit_walk(target, D, C, bv, ks, monkeypatch):
-    """The single walk with each 16-row block's state columns split over ``ks`` waves
-    (resources.WALK_SPLIT_K): outputs and end states against the float64 reference and
-    against the unsplit walk of the same variant (the partial products summed in one
-    order in every wave: equal up to a rounding of the bf16 operands and outputs here and
-    there), with u read and u formed from v, over
-    partial chunks and sequences of unequal length; then a paged cache and a mid-prefill
-    checkpoint. Outputs, cache rows and checkpoints poisoned. A wave that skips one
-    slice's partial v_new^T or o^T fails here."""
-    from kdagen.render import render
-
-    monkeypatch.setenv("KDAGEN_POISON", "1")
-    H = 2
-    x = make_inputs([1, C - 1, C + 1, 3 * C + 5], H, D, device="cpu", gate="lower_bound", seed=C + ks)
-    N = x.cu_seqlens.numel() - 1
-    init = torch.randn(N, H, D, D, generator=torch.Generator().manual_seed(9)) * 0.1
-    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
-                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
-    results = {}
-    for split in (1, ks):
-        monkeypatch.setattr(resources, "WALK_SPLIT_K", split)
-        kern = emulated(head_dim=D, chunk_size=C, block_width=bv, gate="lower_bound", target=target)
-        assert f"kWalkSplitK = {split};" in render(kern.spec).files["kernels.hip"]
-        p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
-        d = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=True)
-        got = [kern.fused_kda_chunk(*(p[k] for k in OPS), torch.full_like(p["u"], float("nan")), None,
-                                    x.cu_seqlens, init, True, groups=1),
-               kern.fused_kda_chunk(d["qg"], d["w"], aligned_view(x.v.contiguous()), d["kg_t"], d["aqk"],
-                                    d["decay"], torch.full_like(d["w"], float("nan")), None,
-                                    x.cu_seqlens, init, True, groups=1, akk=d["akk"])]
-        for o, st in got:
-            assert rel_err(o, o_ref) < TOL and rel_err(st, s_ref) < TOL, (split, rel_err(o, o_ref))
-        # a paged cache (rows 3, 0, 5, 1; the second sequence without a start state) and a
-        # checkpoint after two chunks of the last sequence
-        cache = torch.randn(6, H, D, D, generator=torch.Generator().manual_seed(3)) * 0.1
-        idx = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
-        has = torch.tensor([True, False, True, True])
-        ck = torch.full((N, H, D, D), float("nan"))
-        offs = torch.tensor([0, 0, 0, 2 * C], dtype=torch.int32)
-        oc, _ = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.full_like(p["u"], float("nan")), None,
-                                     x.cu_seqlens, None, False, state_cache=cache, state_indices=idx,
-                                     has_initial_state=has, checkpoint_state=ck, checkpoint_offsets=offs,
-                                     groups=1)
-        results[split] = got + [(oc, cache[idx.long()]), (ck[3], ck[3])]
-    for (o1, s1), (ok, sk) in zip(results[1], results[ks]):  # (bf16 outputs: a rounding flip here and there)
-        assert rel_err(ok, o1) < 2e-3 and rel_err(sk, s1) < 2e-3, (rel_err(ok, o1), rel_err(sk, s1))
-
-
-@needs_clang
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
 def test_group_scan_at_head_dim_128(target, monkeypatch):
     """The shipped head dim's group scan (16 rows of R per ring tile, two 16-byte pieces

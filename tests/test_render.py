@@ -145,9 +145,8 @@ def test_default_constexprs():
         "kStageUO": "true",
         "kChunkWgmma": "false",  # resources.CHUNK_WGMMA: per-wave mma.sync (measured faster)
         "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
-        "kPassOnePaired": "true",  # resources.PASS_ONE_PAIRED: pass one's state and transfer rows in one block (timed faster, session 17)
-        "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles not timed)
-        "kWalkSplitK": "1",  # resources.WALK_SPLIT_K: the single walk unsplit (K-split walk not timed)
+        "kPassOnePaired": "false",  # resources.pass_one_paired: on (v21), but not at c64 on wave32 (spills)
+        "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -251,45 +250,18 @@ def test_warpgroup_products_off_by_default():
 
 def test_paired_pass_one_on_by_default_and_never_with_warpgroup_products(monkeypatch):
     """PASS_ONE_PAIRED (on since session 17, timed faster) reaches the Config (and with it
-    pass one's grid and launch bound) only where the walk takes the per-wave products."""
+    pass one's grid and launch bound) only where the walk takes the per-wave products and
+    the pair's registers fit (resources.pass_one_paired: not at chunk 64 on wave32)."""
     assert resources.PASS_ONE_PAIRED
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "true"
+    assert constexprs(kernels(dict(chunk_size=32)))["kPassOnePaired"] == "true"
+    assert constexprs(kernels(dict(chunk_size=64)))["kPassOnePaired"] == "false"  # wave32 c64 spills
     assert constexprs(kernels(dict(chunk_size=64, target="gfx942")))["kPassOnePaired"] == "true"
     monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
     monkeypatch.setattr(resources, "PASS_ONE_PAIRED", False)
     monkeypatch.setattr(resources, "CHUNK_WGMMA", False)
     assert constexprs(kernels(dict(chunk_size=16)))["kPassOnePaired"] == "false"
-
-
-def test_k_split_walk_only_for_narrow_blocks_and_where_its_exchange_fits(monkeypatch):
-    """resources.WALK_SPLIT_K (off until timed) reaches the Config of variants whose
-    blocks are at most WALK_SPLIT_WIDTH wide and whose column tiles split evenly, never
-    with warpgroup products; the footprint adds its waves and their exchange (1 KB a
-    wave, v_new^T and o^T, per 16 columns of the chunk), and a plan whose exchange does
-    not fit beside the stages stays unsplit."""
-    split = lambda spec: constexprs(kernels(spec))["kWalkSplitK"]  # noqa: E731
-    assert resources.WALK_SPLIT_K == 1
-    assert split(dict(chunk_size=16, block_width=32)) == "1"
-    monkeypatch.setattr(resources, "WALK_SPLIT_K", 4)
-    assert split(dict(chunk_size=16, block_width=32)) == "4"
-    assert split(dict(chunk_size=16, block_width=16, target="gfx942")) == "4"
-    assert split(dict(chunk_size=16, block_width=64)) == "1"  # wider than WALK_SPLIT_WIDTH
-    assert split(dict(chunk_size=16)) == "1"  # the shipped bv128
-    assert resources.walk_split_k(128, 32, 32, wgmma=True) == 1
-    assert resources.walk_split_k(48, 16, 32) == 1  # 3 column tiles do not split in 4
-    monkeypatch.setattr(resources, "WALK_SPLIT_K", 8)
-    assert resources.walk_split_k(128, 32, 64) == 8  # 2 x 8 wave64s = 1024 lanes
-    monkeypatch.setattr(resources, "WALK_SPLIT_WIDTH", 64)
-    assert resources.walk_split_k(128, 64, 64) == 1  # 2048 lanes: too many
-    base = resources.chunk_footprint(128, 32, 32, "bf16", 32, 2, True)
-    fp = resources.chunk_footprint(128, 32, 32, "bf16", 32, 2, True, split_k=4)
-    assert fp.threads == 4 * base.threads == 256
-    assert fp.shared_mem == base.shared_mem + 2 * 4 * 2 * 2 * 1024
-    monkeypatch.setattr(resources, "WALK_SPLIT_K", 4)
-    fits = resources.chunk_plan(128, 32, 32, "bf16", 32, fp.shared_mem, True)
-    short = resources.chunk_plan(128, 32, 32, "bf16", 32, fp.shared_mem - 16, True)
-    assert (fits.split_k, fits.stages, short.split_k, short.stages) == (4, 2, 1, 2)
 
 
 def test_swizzled_tiles_on_cdna_off_on_nvidia_never_with_warpgroup_products(monkeypatch):

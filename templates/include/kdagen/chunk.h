@@ -37,9 +37,7 @@ namespace kdagen {
 
 // kOutputs: the tiles of o (qg, aqk) are staged too; pass one walks without them.
 // kAkk: the akk tile too (u from v), where u / o go through LDS.
-// KS: waves per 16 state rows (the K-split walk, Cfg::kWalkSplitK: each wave holds D / KS
-// columns of its rows, and the block an exchange of the waves' partial products).
-template <class Cfg, bool kOutputs = true, bool kAkk = false, int KS = 1>
+template <class Cfg, bool kOutputs = true, bool kAkk = false>
 struct ChunkLayout {
   static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, BV = Cfg::kBlockV;
   static constexpr bool kWg = Cfg::kChunkWgmma;  // K-major core-matrix tiles (no padding)
@@ -56,11 +54,8 @@ struct ChunkLayout {
   static constexpr int kElems = (kOutputs ? 2 : 1) * C * LDW + D * LDC + (kOutputs ? C * LDC : 0) +
                                 (kAkkTile ? C * LDC : 0) + (Cfg::kStageUO ? C * LDU : 0);
   static constexpr int kStageBytes = kElems * 2 + D * 4;
-  // the K-split walk's exchange: a 256-float slot per (16-row block, wave of it, v_new^T /
-  // o^T, column tile of the chunk), after the stages
-  static constexpr int kExchangeBytes = KS > 1 ? (BV / 16) * KS * 2 * (C / 16) * 256 * 4 : 0;
-  static constexpr int kBytes = kStages * kStageBytes + kExchangeBytes;
-  static constexpr int kThreads = (BV / 16) * KS * kWaveSize;
+  static constexpr int kBytes = kStages * kStageBytes;
+  static constexpr int kThreads = (BV / 16) * kWaveSize;
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
   static_assert(!kWg || (BV % 64 == 0 && Cfg::kStageUO && kStages > 1),
                 "warpgroup products take 64-row warpgroups, u / o through LDS and async copies");
@@ -174,34 +169,21 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
 template <class Cfg, int kMode>
 constexpr bool kPairedWalk = kMode == kWalkPassOne && Cfg::kPassOnePaired;
 
-// Cfg::kWalkSplitK > 1: the single walk splits each wave's state columns over that many
-// waves (16 rows x D / KS columns each), for shapes with too few (sequence, head) chains to
-// fill the GPU otherwise. The products over K (v_new^T, -S^T qg^T) are partial per wave and
-// summed through LDS (an exchange and one more barrier per chunk); the state update needs
-// only the wave's own columns. The lead wave (the first of each row block) forms u and
-// finishes and stores o.
-template <class Cfg, int kMode>
-constexpr int kSplitOf = kMode == kWalkSingle ? Cfg::kWalkSplitK : 1;
-
 template <class Cfg, int kMode, bool kAkk = false>
-__global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg, kMode>>::kThreads),
+__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
                                      (kPairedWalk<Cfg, kMode> ? 1 : Cfg::kChunkMinBlocks)) chunk_kernel(ChunkArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   constexpr bool kOutputs = kMode != kWalkPassOne;
-  constexpr int KS = kSplitOf<Cfg, kMode>;
-  using Lay = ChunkLayout<Cfg, kOutputs, kAkk, KS>;
+  using Lay = ChunkLayout<Cfg, kOutputs, kAkk>;
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
-  constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16, KTW = KT / KS;  // KTW: the wave's column tiles
+  constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
   constexpr bool kWg = Lay::kWg, kSwz = Lay::kSwz;
   constexpr bool kPaired = kPairedWalk<Cfg, kMode>;
   static_assert(!kPaired || !kWg, "paired pass-one rows take the per-wave products");
-  static_assert(KS == 1 || (!kWg && !kPaired && KT % KS == 0 && NT <= 1024),
-                "the K-split walk takes the per-wave products and whole column tiles per wave");
   static_assert(sizeof(T) == 2, "the chunk scan takes 16-bit operands");
 
   KDAGEN_DYNAMIC_SHARED(smem);
-  [[maybe_unused]] float* const exchange = reinterpret_cast<float*>(smem + Lay::kStages * Lay::kStageBytes);  // KS > 1
   // One stage: w | [qg] | kg_t | [aqk] | [akk] | [u or v, then o] | decay (qg, aqk with
   // outputs, akk with u from v). Stage b of chunk c is b = c % kStages.
   struct Stage { uint16_t *Ws, *Qs, *KGs, *As, *Ak, *Us; float* Ds; };
@@ -228,10 +210,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
   const int GZ = kMode == kWalkPassOne ? G - 1 : G;  // groups in the grid's z
   const int n = blockIdx.z / GZ, g = blockIdx.z % GZ;
   const int wave = wave_id();
-  const int vw = wave / KS, kq = wave % KS;  // the wave's 16-row block, its slice of the columns
-  const int k0w = kq * KTW;                  // the slice's first column tile (0 but in the K-split walk)
-  const bool lead = KS == 1 || kq == 0;      // forms u, finishes and stores o
-  const int row0 = blockIdx.x * BV + 16 * vw;  // this wave's first row (of V, or V + K in pass one)
+  const int row0 = blockIdx.x * BV + 16 * wave;  // this wave's first row (of V, or V + K in pass one)
   const bool transfer = kMode == kWalkPassOne && blockIdx.x * BV >= D;
   const int bos = a.cu_seqlens[n], len = a.cu_seqlens[n + 1] - bos;
   const int cbase = a.chunk_offsets[n], nc = a.chunk_offsets[n + 1] - cbase;
@@ -244,8 +223,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
   // S holds the state negated, -S^T: then v_new^T = u^T + (-S^T) w^T needs no negated
   // copy of the state's fragments each chunk, only of v_new's (C / 16 of them) for the
   // update, and every load and store of a state plane flips the sign once.
-  mma::Acc S[KTW];
-  mma::Acc S1[kPaired ? KTW : 1];  // kPaired: the transfer rows row0 .. row0 + 15 of R, -R^T
+  mma::Acc S[KT];
+  mma::Acc S1[kPaired ? KT : 1];  // kPaired: the transfer rows row0 .. row0 + 15 of R, -R^T
   const float* init = nullptr;
   if constexpr (kMode == kWalkSingle) init = initial_plane(a, n, h, D);
   if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);
@@ -253,40 +232,38 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
   // aligned: the caller's initial_state may be 4-byte aligned only)
   const bool init16 = init != nullptr && reinterpret_cast<uintptr_t>(init) % 16 == 0;
 #pragma unroll
-  for (int kt = 0; kt < KTW; ++kt) {
-    const int k0 = 16 * (k0w + kt);  // the tile's first column
+  for (int kt = 0; kt < KT; ++kt) {
     mma::zero(S[kt]);
     if constexpr (mma::kStateRows) {
       if (init16) {
-        mma::load_rows_f32(S[kt], init + static_cast<int64_t>(row0) * D + k0, D, -1.0f);
+        mma::load_rows_f32(S[kt], init + static_cast<int64_t>(row0) * D + 16 * kt, D, -1.0f);
         continue;
       }
     }
     mma::for_each(S[kt], [&](int r, int k, float& x) {
-      if (transfer) x = (row0 + r - D == k0 + k) ? -1.0f : 0.0f;
-      else if (init != nullptr) x = -init[static_cast<int64_t>(row0 + r) * D + k0 + k];
+      if (transfer) x = (row0 + r - D == 16 * kt + k) ? -1.0f : 0.0f;
+      else if (init != nullptr) x = -init[static_cast<int64_t>(row0 + r) * D + 16 * kt + k];
     });
   }
   if constexpr (kPaired) {
 #pragma unroll
-    for (int kt = 0; kt < KTW; ++kt)
+    for (int kt = 0; kt < KT; ++kt)
       mma::for_each(S1[kt], [&](int r, int k, float& x) { x = (row0 + r == 16 * kt + k) ? -1.0f : 0.0f; });
   }
 
   // The state (negated back) into a plane's rows from `row`: 8-byte pieces where the vendor
   // layer has them and the plane allows (a paged cache may be a 4-byte aligned view).
-  auto store_state = [&](mma::Acc (&St)[KTW], float* plane, int row) {
+  auto store_state = [&](mma::Acc (&St)[KT], float* plane, int row) {
     if constexpr (mma::kStateRows) {
       if (reinterpret_cast<uintptr_t>(plane) % 16 == 0) {
 #pragma unroll
-        for (int kt = 0; kt < KTW; ++kt)
-          mma::store_rows_f32(St[kt], plane + static_cast<int64_t>(row) * D + 16 * (k0w + kt), D, -1.0f);
+        for (int kt = 0; kt < KT; ++kt) mma::store_rows_f32(St[kt], plane + static_cast<int64_t>(row) * D + 16 * kt, D, -1.0f);
         return;
       }
     }
 #pragma unroll
-    for (int kt = 0; kt < KTW; ++kt)
-      mma::for_each(St[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * (k0w + kt) + k] = -x; });
+    for (int kt = 0; kt < KT; ++kt)
+      mma::for_each(St[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * kt + k] = -x; });
   };
 
   const int ck_tokens = (kMode != kWalkPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;
@@ -310,15 +287,12 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
   // One 16-byte piece per thread of each w / qg / u and kg_t tile (and of aqk, decay for
   // the first threads): the piece's offsets are fixed for the walk, only the chunk's
   // 64-bit base moves.
-  // (u's tile may be narrower, BV < D: its pieces on the first threads, their own row / column)
-  constexpr bool kOnePiece = !kWg && C * D / 8 == NT && C * BV / 8 <= NT && D * C / 8 == NT &&
+  constexpr bool kOnePiece = !kWg && C * D / 8 == NT && C * BV / 8 == NT && D * C / 8 == NT &&
                              C * C / 8 <= NT && D / 4 <= NT;
   const int tid = threadIdx.x;
   const int pr = tid / (D / 8), pc = (tid % (D / 8)) * 8;  // w / qg / u piece: row, column
   const int p_off = pr * ld_hd + pc, p_dst = lds_index<D, LDW, kSwz>(pr, pc);
-  constexpr bool kUWide = BV == D;  // u's pieces are w's
-  const int ur = kUWide ? pr : tid / (BV / 8), uc = kUWide ? pc : (tid % (BV / 8)) * 8;  // u piece (tid < C * BV / 8)
-  const int p_udst = lds_index<BV, Lay::LDU, kSwz>(ur, uc), pu_off = ur * ld_u + uc;
+  const int p_udst = lds_index<BV, Lay::LDU, kSwz>(pr, pc), pu_off = pr * ld_u + pc;
   const int ar = tid / (C / 8), ac = (tid % (C / 8)) * 8;  // aqk piece (tid < C * C / 8)
   const int a_off = ar * ld_hc + ac, a_dst = lds_index<C, LDC, kSwz>(ar, ac);
   const int k_dst = lds_index<C, LDC, kSwz>(tid / (C / 8), (tid % (C / 8)) * 8);  // kg_t piece tid of D * C
@@ -338,10 +312,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
       }
       async::copy16(st.KGs + k_dst, static_cast<const uint16_t*>(a.kg_t) + next_ch * C + 8 * tid, true);
       if constexpr (Cfg::kStageUO) {
-        if (!transfer && (kUWide || tid < C * BV / 8)) {
-          const bool uin = ur < valid;
-          async::copy16(st.Us + p_udst, u + next_u + (uin ? pu_off : uc), uin);
-        }
+        if (!transfer) async::copy16(st.Us + p_udst, u + next_u + (in ? pu_off : pc), in);
       }
       if constexpr (Lay::kAkkTile) {
         if (!transfer && tid < C * C / 8) {
@@ -426,9 +397,9 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
     for (int ct = 0; ct < CT; ++ct) {
       mma::zero(vn[ct]);
       mma::zero(o[ct]);
-      if (!transfer && !kAkk && lead) {
+      if (!transfer && !kAkk) {
         if constexpr (Cfg::kStageUO) {
-          mma::load_tile_t_at<Io>(vn[ct], UBlock{Us, 16 * ct, 16 * vw});  // u -> u^T
+          mma::load_tile_t_at<Io>(vn[ct], UBlock{Us, 16 * ct, 16 * wave});  // u -> u^T
         } else {
           mma::for_each(vn[ct], [&](int r, int cc, float& x) {
             const int i = 16 * ct + cc;
@@ -444,7 +415,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
       for (int cj = 0; cj < CT; ++cj) {
         mma::Frag vt;
         if constexpr (Cfg::kStageUO) {
-          vt = mma::load_a_smem_t_at(UBlock{Us, 16 * cj, 16 * vw});
+          vt = mma::load_a_smem_t_at(UBlock{Us, 16 * cj, 16 * wave});
         } else {
           vt = mma::load_a<Io>([&](int r, int k) {
             const int i = 16 * cj + k;
@@ -471,16 +442,16 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
     if constexpr (kApart) {
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) mma::zero(ua[ct]);
-      if (!transfer && lead) u_from_v(ua);
+      if (!transfer) u_from_v(ua);
     } else if constexpr (kAkk) {
-      if (!transfer && lead) u_from_v(vn);
+      if (!transfer) u_from_v(vn);
     }
     // o's column tile ci into this wave's columns of the u / o tile (after every lane of
     // the wave has read its u there), then the wave's 16 columns of o out, a 32-byte row
     // segment per token as two 16-byte stores.
     auto stage_o = [&](int ci, mma::Acc& oc) {
       if (ci == 0) wave_sync();
-      mma::store_tile_t_at<Io>(oc, UBlock{Us, 16 * ci, 16 * vw});  // o^T -> o
+      mma::store_tile_t_at<Io>(oc, UBlock{Us, 16 * ci, 16 * wave});  // o^T -> o
     };
     // (a fixed count of pieces per lane, unrolled: as a loop from lane_id() nvcc built a
     // remainder loop and a four-way unrolled one around the one or two pieces a lane has)
@@ -497,12 +468,12 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
           const int i = 8 * (e >> 4) + (e & 7), half = (e >> 3) & 1;
           if ((PIECES % kWaveSize == 0 || e < PIECES) && i < valid)
             *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
-                *reinterpret_cast<const uint4*>(Us + lds_index<BV, Lay::LDU, true>(i, 16 * vw + 8 * half));
+                *reinterpret_cast<const uint4*>(Us + lds_index<BV, Lay::LDU, true>(i, 16 * wave + 8 * half));
         } else {
           const int i = e >> 1, half = e & 1;
           if (i < valid)
             *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
-                *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * vw + 8 * half);
+                *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * wave + 8 * half);
         }
       }
     };
@@ -579,53 +550,21 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
 #pragma unroll
       for (int ct = 0; ct < (kPaired ? CT : 0); ++ct) mma::zero(vn1[ct]);
 #pragma unroll
-      for (int kt = 0; kt < KTW; ++kt) {
+      for (int kt = 0; kt < KT; ++kt) {
         const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
         [[maybe_unused]] const mma::Frag s1 = kPaired ? mma::to_a<Io>(S1[kPaired ? kt : 0]) : s;
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
-          const mma::Frag wb = mma::load_b_smem_at(WBlock{Ws, 16 * ct, 16 * (k0w + kt)});
+          const mma::Frag wb = mma::load_b_smem_at(WBlock{Ws, 16 * ct, 16 * kt});
           mma::mma<Io>(vn[ct], s, wb);
           if constexpr (kPaired) mma::mma<Io>(vn1[ct], s1, wb);
           if constexpr (kMode != kWalkPassOne)
-            mma::mma<Io>(o[ct], s, mma::load_b_smem_at(WBlock{Qs, 16 * ct, 16 * (k0w + kt)}));
+            mma::mma<Io>(o[ct], s, mma::load_b_smem_at(WBlock{Qs, 16 * ct, 16 * kt}));
         }
       }
       if constexpr (kApart) {
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) mma::add(vn[ct], ua[ct]);
-      }
-      if constexpr (KS > 1) {
-        // The K-split walk: v_new^T and -S^T qg^T summed over the KS waves of this row
-        // block. Each wave writes its partials (o's only where the lead does not keep them),
-        // then adds the slices in their order, 0 .. KS - 1 (the same sum in every wave of
-        // the block, so their state updates take the same v_new); o only the lead.
-        float* const xb = exchange + vw * KS * 2 * CT * 256;
-        auto slot = [&](int q, int which, int ct) { return xb + ((q * 2 + which) * CT + ct) * 256; };
-        mma::Acc mine[CT];
-#pragma unroll
-        for (int ct = 0; ct < CT; ++ct) {
-          mma::store_acc(vn[ct], slot(kq, 0, ct));
-          if (!lead) mma::store_acc(o[ct], slot(kq, 1, ct));
-          mine[ct] = vn[ct];
-        }
-        __syncthreads();
-#pragma unroll
-        for (int ct = 0; ct < CT; ++ct) {
-          if (!lead) {
-            mma::zero(vn[ct]);
-            mma::add_acc(vn[ct], slot(0, 0, ct));
-          }
-        }
-#pragma unroll
-        for (int q = 1; q < KS; ++q) {
-#pragma unroll
-          for (int ct = 0; ct < CT; ++ct) {
-            if (q == kq) mma::add(vn[ct], mine[ct]);
-            else mma::add_acc(vn[ct], slot(q, 0, ct));
-            if (lead) mma::add_acc(o[ct], slot(q, 1, ct));
-          }
-        }
       }
       mma::Frag va[CT];
 #pragma unroll
@@ -633,24 +572,22 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
 
       // ---- o^T = -scale (-S^T qg^T) + v_new^T aqk^T (aqk is lower triangular by blocks) -----
       if constexpr (kMode != kWalkPassOne) {
-        if (lead) {
 #pragma unroll
-          for (int ci = 0; ci < CT; ++ci) {
-            mma::for_each(o[ci], [&](int, int, float& x) { x *= -a.scale; });
+        for (int ci = 0; ci < CT; ++ci) {
+          mma::for_each(o[ci], [&](int, int, float& x) { x *= -a.scale; });
 #pragma unroll
-            for (int cj = 0; cj <= ci; ++cj)
-              mma::mma<Io>(o[ci], va[cj], mma::load_b_smem_at(CBlock{As, 16 * ci, 16 * cj}));
-            if constexpr (Cfg::kStageUO) {
-              stage_o(ci, o[ci]);
-            } else {
-              mma::for_each(o[ci], [&](int r, int cc, float& x) {
-                const int i = 16 * ci + cc;
-                if (i < valid) out[(t0 + i) * row_hd + h * D + row0 + r] = from_float<Io>(x);
-              });
-            }
+          for (int cj = 0; cj <= ci; ++cj)
+            mma::mma<Io>(o[ci], va[cj], mma::load_b_smem_at(CBlock{As, 16 * ci, 16 * cj}));
+          if constexpr (Cfg::kStageUO) {
+            stage_o(ci, o[ci]);
+          } else {
+            mma::for_each(o[ci], [&](int r, int cc, float& x) {
+              const int i = 16 * ci + cc;
+              if (i < valid) out[(t0 + i) * row_hd + h * D + row0 + r] = from_float<Io>(x);
+            });
           }
-          if constexpr (Cfg::kStageUO) store_o();
         }
+        if constexpr (Cfg::kStageUO) store_o();
       }
 
       // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
@@ -661,13 +598,12 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
         if constexpr (kPaired) va1[ct] = mma::neg(mma::to_a<Io>(vn1[ct]));
       }
 #pragma unroll
-      for (int kt = 0; kt < KTW; ++kt) {
-        const int k0 = 16 * (k0w + kt);
-        mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[k0 + k]; });
-        if constexpr (kPaired) mma::for_each(S1[kPaired ? kt : 0], [&](int, int k, float& x) { x *= Ds[k0 + k]; });
+      for (int kt = 0; kt < KT; ++kt) {
+        mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+        if constexpr (kPaired) mma::for_each(S1[kPaired ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
-          const mma::Frag kb = mma::load_b_smem_at(CBlock{KGs, k0, 16 * ct});
+          const mma::Frag kb = mma::load_b_smem_at(CBlock{KGs, 16 * kt, 16 * ct});
           mma::mma<Io>(S[kt], va[ct], kb);
           if constexpr (kPaired) mma::mma<Io>(S1[kPaired ? kt : 0], va1[ct], kb);
         }
@@ -683,8 +619,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kSplitOf<Cfg
       if (row >= 0 && row < a.num_checkpoint_rows) {
         float* dst = a.checkpoint_state + (static_cast<int64_t>(row) * H + h) * D * D;
 #pragma unroll
-        for (int kt = 0; kt < KTW; ++kt)
-          mma::for_each(S[kt], [&](int r, int k, float& x) { dst[static_cast<int64_t>(row0 + r) * D + 16 * (k0w + kt) + k] = -x; });
+        for (int kt = 0; kt < KT; ++kt)
+          mma::for_each(S[kt], [&](int r, int k, float& x) { dst[static_cast<int64_t>(row0 + r) * D + 16 * kt + k] = -x; });
       }
     }
   }

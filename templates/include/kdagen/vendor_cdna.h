@@ -115,16 +115,6 @@ constexpr bool kStateRows = false;
 __device__ void store_rows_f32(const Acc& c, float* p, int ld, float s);
 __device__ void load_rows_f32(Acc& c, const float* p, int ld, float s);
 
-// The accumulator to / from a lane-ordered fp32 slot of 256 floats in LDS (16-byte
-// aligned): lane l's four values at p[4 l], one 16-byte access a lane, 1 KB contiguous a
-// wave (the K-split walk's exchange).
-__device__ __forceinline__ void store_acc(const Acc& c, float* p) {
-  *reinterpret_cast<f32x4*>(p + 4 * lane_id()) = c.v;
-}
-__device__ __forceinline__ void add_acc(Acc& c, const float* p) {
-  c.v += *reinterpret_cast<const f32x4*>(p + 4 * lane_id());
-}
-
 template <DType T> __device__ __forceinline__ short pack1(float x) {
   static_assert(T != DType::kFP32, "matrix operands are 16-bit");
   return static_cast<short>(from_float<T>(x));

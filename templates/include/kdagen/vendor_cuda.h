@@ -19,8 +19,6 @@
 //   scale_k(frag, s)  every element of a B operand times s[k] (fp32, one rounding)
 //   store_tile(acc, p, ld)  the accumulator rounded to 16 bits into LDS, p[row * ld + col]
 //   neg(frag)  the operand negated
-//   store_acc / add_acc(acc, p)  the accumulator to / added from a lane-ordered fp32 LDS
-//              slot of 256 floats (the K-split walk's exchange)
 //   store_rows_f32 / load_rows_f32(acc, p, ld, s)  the tile times s to / from fp32 rows in
 //              global memory in whole sectors (p, ld 8-byte aligned; kStateRows: the walks use them)
 // Here a 16x16 tile is two m16n8 halves; lane = 4 * g + t.
@@ -159,23 +157,6 @@ __device__ __forceinline__ void load_rows_f32(Acc& c, const float* p, int ld, fl
   for (int i = 0; i < 8; i += 2) {
     const float2 x = *reinterpret_cast<const float2*>(p + (g + 8 * ((i >> 1) & 1)) * ld + 8 * (i >> 2) + 2 * t);
     c.v[i] = s * x.x, c.v[i + 1] = s * x.y;
-  }
-}
-
-// The accumulator to / from a lane-ordered fp32 slot of 256 floats in LDS (16-byte
-// aligned): lane l's values i .. i + 3 at p[32 i + 4 l], so each of a wave's two 16-byte
-// accesses covers 512 contiguous bytes (no bank conflicts). The K-split walk exchanges its
-// partial products through such slots.
-__device__ __forceinline__ void store_acc(const Acc& c, float* p) {
-#pragma unroll
-  for (int i = 0; i < 8; i += 4)
-    *reinterpret_cast<float4*>(p + 32 * i + 4 * lane_id()) = make_float4(c.v[i], c.v[i + 1], c.v[i + 2], c.v[i + 3]);
-}
-__device__ __forceinline__ void add_acc(Acc& c, const float* p) {
-#pragma unroll
-  for (int i = 0; i < 8; i += 4) {
-    const float4 x = *reinterpret_cast<const float4*>(p + 32 * i + 4 * lane_id());
-    c.v[i] += x.x, c.v[i + 1] += x.y, c.v[i + 2] += x.z, c.v[i + 3] += x.w;
   }
 }
 
