@@ -172,6 +172,7 @@ class ChunkPlan:
     pass_one_stages: int = 0  # the grouped walk's pass one; 0 (one stage, no async copies): ``stages``
     pass_one_paired: bool = False  # pass one's state and transfer rows in one block (pass_one_paired)
     swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (chunk_swizzle)
+    walk_paired: bool = False  # the single walk and pass two with two 16-row tiles a wave (walk_paired)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -229,6 +230,21 @@ CHUNK_SWIZZLE = False
 CHUNK_SWIZZLE_CDNA = True
 
 
+# The walks with outputs (single walk, pass two) with two 16-row tiles of V per wave (S and
+# S1, rows row0 .. row0 + 31), as PASS_ONE_PAIRED does for pass one: the w, qg, kg_t, aqk
+# and akk fragments and the decay read once for both tiles, blocks of half the waves. Off:
+# not timed yet.
+WALK_PAIRED = False
+
+
+def walk_paired(chunk_size: int, block_width: int, wave_size: int, wgmma: bool = False) -> bool:
+    """Whether the single walk and pass two pair their rows (WALK_PAIRED): chunk 16 on
+    wave32 (two tiles of state and their fragments within 255 registers at two blocks of
+    half the waves per SM), blocks of whole 32-row pairs, the per-wave products."""
+    return (WALK_PAIRED and not wgmma and wave_size == 32 and chunk_size == 16
+            and block_width % 32 == 0)
+
+
 def chunk_swizzle(vendor: str) -> bool:
     """Whether the per-wave chunk scan of a ``vendor`` ("nvidia", "amd") target swizzles
     its LDS tiles instead of padding their rows."""
@@ -281,7 +297,8 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
         return ChunkPlan(stages, True, blocks, wg, one_stages,
-                         pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg)
+                         pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
+                         walk_paired(chunk_size, block_width, wave_size, wg))
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1,
                      pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle)
 

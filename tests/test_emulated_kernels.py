@@ -595,6 +595,53 @@ def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, monkeypatch):
 
 
 @needs_clang
+@pytest.mark.parametrize("head_dim, block_width, swizzle", [(128, 128, False), (64, 32, True)])
+def test_paired_walk_rows_at_chunk_16(head_dim, block_width, swizzle, monkeypatch):
+    """The single walk and pass two with two 16-row tiles of V per wave (WALK_PAIRED) in
+    the chunk-16 form (sm_90; the shipped d128 / bv128 padded, d64 / bv32 swizzled): outputs
+    and end states against the float64 reference in one walk and in 3 groups, u read and
+    u formed from v, then a paged cache and a mid-prefill checkpoint; outputs, cache rows
+    and checkpoints poisoned. A second tile that reads the first tile's u, stores over its
+    o, or starts from its rows of the state fails here."""
+    from kdagen.render import render
+
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    monkeypatch.setattr(resources, "WALK_PAIRED", True)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
+    C, D, H = 16, head_dim, 2
+    kern = emulated(head_dim=D, chunk_size=C, block_width=block_width, gate="lower_bound", target="sm_90")
+    src = render(kern.spec).files["kernels.hip"]
+    assert "kWalkPaired = true;" in src and f"kChunkSwizzle = {'true' if swizzle else 'false'};" in src
+    x = make_inputs([1, C - 1, C + 1, 5 * C + 3], H, D, device="cpu", gate="lower_bound", seed=D + 5)
+    N = x.cu_seqlens.numel() - 1
+    init = torch.randn(N, H, D, D, generator=torch.Generator().manual_seed(8)) * 0.1
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
+    p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    for g in (1, 3):
+        o, st = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.full_like(p["u"], float("nan")), None,
+                                     x.cu_seqlens, init, True, groups=g)
+        assert rel_err(o, o_ref) < TOL and rel_err(st, s_ref) < TOL, (g, rel_err(o, o_ref))
+    check_deferred_u(kern, x, init, o_ref, s_ref, groups=(1, 3))
+    cache = torch.randn(6, H, D, D, generator=torch.Generator().manual_seed(3)) * 0.1
+    before = cache.clone()
+    idx = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
+    has = torch.tensor([True, False, True, True])
+    ck = torch.full((N, H, D, D), float("nan"))
+    offs = torch.tensor([0, 0, 0, 2 * C], dtype=torch.int32)
+    out, _ = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.full_like(p["u"], float("nan")), None,
+                                  x.cu_seqlens, None, False, state_cache=cache, state_indices=idx,
+                                  has_initial_state=has, checkpoint_state=ck, checkpoint_offsets=offs,
+                                  groups=1)
+    init = before[idx.long()] * has[:, None, None, None]
+    o_ref, s_ref, ck_ref = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                       cu_seqlens=x.cu_seqlens, initial_state=init,
+                                                       checkpoint_offsets=offs)
+    assert rel_err(out, o_ref) < TOL and rel_err(cache[idx.long()], s_ref) < TOL
+    assert rel_err(ck[3], ck_ref[3]) < TOL
+
+
+@needs_clang
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
 def test_group_scan_at_head_dim_128(target, monkeypatch):
     """The shipped head dim's group scan (16 rows of R per ring tile, two 16-byte pieces

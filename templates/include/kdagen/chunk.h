@@ -37,7 +37,8 @@ namespace kdagen {
 
 // kOutputs: the tiles of o (qg, aqk) are staged too; pass one walks without them.
 // kAkk: the akk tile too (u from v), where u / o go through LDS.
-template <class Cfg, bool kOutputs = true, bool kAkk = false>
+// kTwoTiles: each wave walks two 16-row tiles (Cfg::kWalkPaired): half the waves.
+template <class Cfg, bool kOutputs = true, bool kAkk = false, bool kTwoTiles = false>
 struct ChunkLayout {
   static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, BV = Cfg::kBlockV;
   static constexpr bool kWg = Cfg::kChunkWgmma;  // K-major core-matrix tiles (no padding)
@@ -55,7 +56,7 @@ struct ChunkLayout {
                                 (kAkkTile ? C * LDC : 0) + (Cfg::kStageUO ? C * LDU : 0);
   static constexpr int kStageBytes = kElems * 2 + D * 4;
   static constexpr int kBytes = kStages * kStageBytes;
-  static constexpr int kThreads = (BV / 16) * kWaveSize;
+  static constexpr int kThreads = (BV / (kTwoTiles ? 32 : 16)) * kWaveSize;
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
   static_assert(!kWg || (BV % 64 == 0 && Cfg::kStageUO && kStages > 1),
                 "warpgroup products take 64-row warpgroups, u / o through LDS and async copies");
@@ -169,18 +170,28 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
 template <class Cfg, int kMode>
 constexpr bool kPairedWalk = kMode == kWalkPassOne && Cfg::kPassOnePaired;
 
+// Cfg::kWalkPaired: the walks with outputs (single, pass two) give each wave two 16-row
+// tiles of V, rows row0 .. row0 + 31 (S and S1): the w, qg, kg_t, aqk and akk fragments
+// and the decay are read once for both, in blocks of half the waves (the two tiles' state
+// takes 128 registers a lane on wave32).
+template <class Cfg, int kMode>
+constexpr bool kPairedRows = kMode != kWalkPassOne && Cfg::kWalkPaired;
+
 template <class Cfg, int kMode, bool kAkk = false>
-__global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
+__global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<Cfg, kMode>>::kThreads),
                                      (kPairedWalk<Cfg, kMode> ? 1 : Cfg::kChunkMinBlocks)) chunk_kernel(ChunkArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   constexpr bool kOutputs = kMode != kWalkPassOne;
-  using Lay = ChunkLayout<Cfg, kOutputs, kAkk>;
+  constexpr bool kPairV = kPairedRows<Cfg, kMode>;  // two tiles of V rows per wave
+  using Lay = ChunkLayout<Cfg, kOutputs, kAkk, kPairV>;
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
   constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
   constexpr bool kWg = Lay::kWg, kSwz = Lay::kSwz;
   constexpr bool kPaired = kPairedWalk<Cfg, kMode>;
-  static_assert(!kPaired || !kWg, "paired pass-one rows take the per-wave products");
+  constexpr bool kTwo = kPaired || kPairV;  // a second tile, S1
+  constexpr int RW = kPairV ? 32 : 16;      // state rows per wave
+  static_assert(!kTwo || !kWg, "paired rows take the per-wave products");
   static_assert(sizeof(T) == 2, "the chunk scan takes 16-bit operands");
 
   KDAGEN_DYNAMIC_SHARED(smem);
@@ -210,7 +221,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
   const int GZ = kMode == kWalkPassOne ? G - 1 : G;  // groups in the grid's z
   const int n = blockIdx.z / GZ, g = blockIdx.z % GZ;
   const int wave = wave_id();
-  const int row0 = blockIdx.x * BV + 16 * wave;  // this wave's first row (of V, or V + K in pass one)
+  const int row0 = blockIdx.x * BV + RW * wave;  // this wave's first row (of V, or V + K in pass one)
+  const int colw = RW * wave;  // ... its first column of the u / o tile
   const bool transfer = kMode == kWalkPassOne && blockIdx.x * BV >= D;
   const int bos = a.cu_seqlens[n], len = a.cu_seqlens[n + 1] - bos;
   const int cbase = a.chunk_offsets[n], nc = a.chunk_offsets[n + 1] - cbase;
@@ -224,7 +236,8 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
   // copy of the state's fragments each chunk, only of v_new's (C / 16 of them) for the
   // update, and every load and store of a state plane flips the sign once.
   mma::Acc S[KT];
-  mma::Acc S1[kPaired ? KT : 1];  // kPaired: the transfer rows row0 .. row0 + 15 of R, -R^T
+  // kPaired: the transfer rows row0 .. row0 + 15 of R, -R^T; kPairV: V rows row0 + 16 .. row0 + 31
+  mma::Acc S1[kTwo ? KT : 1];
   const float* init = nullptr;
   if constexpr (kMode == kWalkSingle) init = initial_plane(a, n, h, D);
   if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);
@@ -249,6 +262,21 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt)
       mma::for_each(S1[kt], [&](int r, int k, float& x) { x = (row0 + r == 16 * kt + k) ? -1.0f : 0.0f; });
+  }
+  if constexpr (kPairV) {
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      mma::zero(S1[kt]);
+      if constexpr (mma::kStateRows) {
+        if (init16) {
+          mma::load_rows_f32(S1[kt], init + static_cast<int64_t>(row0 + 16) * D + 16 * kt, D, -1.0f);
+          continue;
+        }
+      }
+      mma::for_each(S1[kt], [&](int r, int k, float& x) {
+        if (init != nullptr) x = -init[static_cast<int64_t>(row0 + 16 + r) * D + 16 * kt + k];
+      });
+    }
   }
 
   // The state (negated back) into a plane's rows from `row`: 8-byte pieces where the vendor
@@ -392,88 +420,115 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
     }
 
     // ---- v_new^T = u^T + (-S^T) w^T,  o^T = -(-S^T) qg^T ---------------------------------
+    // (tile t of the wave: rows row0 + 16 t, columns colw + 16 t of the u / o tile; t = 1
+    // only with kPairV)
+    auto load_u_t = [&](mma::Acc& acc, int ct, int t) {
+      if constexpr (Cfg::kStageUO) {
+        mma::load_tile_t_at<Io>(acc, UBlock{Us, 16 * ct, colw + 16 * t});  // u -> u^T
+      } else {
+        mma::for_each(acc, [&](int r, int cc, float& x) {
+          const int i = 16 * ct + cc;
+          x = i < valid ? to_float<Io>(u[(t0 + i) * u_row + h * u_head + row0 + 16 * t + r]) : 0.0f;
+        });
+      }
+    };
     mma::Acc vn[CT], o[CT];
+    mma::Acc vn1[kTwo ? CT : 1], o1[kPairV ? CT : 1];  // S1's (kPaired: the transfer rows', u = 0)
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       mma::zero(vn[ct]);
       mma::zero(o[ct]);
+      if constexpr (kPairV) {
+        mma::zero(vn1[ct]);
+        mma::zero(o1[ct]);
+      }
       if (!transfer && !kAkk) {
-        if constexpr (Cfg::kStageUO) {
-          mma::load_tile_t_at<Io>(vn[ct], UBlock{Us, 16 * ct, 16 * wave});  // u -> u^T
-        } else {
-          mma::for_each(vn[ct], [&](int r, int cc, float& x) {
-            const int i = 16 * ct + cc;
-            x = i < valid ? to_float<Io>(u[(t0 + i) * u_row + h * u_head + row0 + r]) : 0.0f;
-          });
-        }
+        load_u_t(vn[ct], ct, 0);
+        if constexpr (kPairV) load_u_t(vn1[ct], ct, 1);
       }
     }
     // u^T = v^T akk^T (kAkk): A = v^T (this wave's 16 rows of v, transposed out of the v
-    // tile), B = akk^T, lower triangular by blocks (cj <= ct), accumulated into acc.
-    auto u_from_v = [&](mma::Acc (&acc)[CT]) {
+    // tile), B = akk^T, lower triangular by blocks (cj <= ct), accumulated into acc (and
+    // with kPairV tile 1's into acc1, from the same B).
+    auto v_t = [&](int cj, int t) {
+      if constexpr (Cfg::kStageUO) {
+        return mma::load_a_smem_t_at(UBlock{Us, 16 * cj, colw + 16 * t});
+      } else {
+        return mma::load_a<Io>([&](int r, int k) {
+          const int i = 16 * cj + k;
+          return i < valid ? to_float<Io>(u[(t0 + i) * u_row + h * u_head + row0 + 16 * t + r]) : 0.0f;
+        });
+      }
+    };
+    auto u_from_v = [&](mma::Acc (&acc)[CT], mma::Acc (&acc1)[kPairV ? CT : 1]) {
 #pragma unroll
       for (int cj = 0; cj < CT; ++cj) {
-        mma::Frag vt;
-        if constexpr (Cfg::kStageUO) {
-          vt = mma::load_a_smem_t_at(UBlock{Us, 16 * cj, 16 * wave});
-        } else {
-          vt = mma::load_a<Io>([&](int r, int k) {
-            const int i = 16 * cj + k;
-            return i < valid ? to_float<Io>(u[(t0 + i) * u_row + h * u_head + row0 + r]) : 0.0f;
-          });
-        }
+        const mma::Frag vt = v_t(cj, 0);
+        [[maybe_unused]] mma::Frag vt1;
+        if constexpr (kPairV) vt1 = v_t(cj, 1);
 #pragma unroll
         for (int ct = cj; ct < CT; ++ct) {
+          mma::Frag b;
           if constexpr (Lay::kAkkTile) {
-            mma::mma<Io>(acc[ct], vt, mma::load_b_smem_at(CBlock{Ak, 16 * ct, 16 * cj}));
+            b = mma::load_b_smem_at(CBlock{Ak, 16 * ct, 16 * cj});
           } else {
-            mma::mma<Io>(acc[ct], vt, mma::load_b<Io>([&](int nn, int k) {
+            b = mma::load_b<Io>([&](int nn, int k) {
               const int i = 16 * ct + nn;
               return i < valid ? to_float<Io>(akk[(t0 + i) * row_hc + h * C + 16 * cj + k]) : 0.0f;
-            }));
+            });
           }
+          mma::mma<Io>(acc[ct], vt, b);
+          if constexpr (kPairV) mma::mma<Io>(acc1[kPairV ? ct : 0], vt1, b);
         }
       }
     };
     // Cfg::kChunkUApart: u^T in accumulators of its own, a chain beside the (-S^T) w^T
     // one, added at the end; else (and in the warpgroup walk) v_new^T starts from it.
     constexpr bool kApart = kAkk && !kWg && Cfg::kChunkUApart;
-    mma::Acc ua[kApart ? CT : 1];
+    mma::Acc ua[kApart ? CT : 1], ua1[kApart && kPairV ? CT : 1];
     if constexpr (kApart) {
 #pragma unroll
-      for (int ct = 0; ct < CT; ++ct) mma::zero(ua[ct]);
-      if (!transfer) u_from_v(ua);
+      for (int ct = 0; ct < CT; ++ct) {
+        mma::zero(ua[ct]);
+        if constexpr (kPairV) mma::zero(ua1[ct]);
+      }
+      if (!transfer) u_from_v(ua, ua1);
     } else if constexpr (kAkk) {
-      if (!transfer) u_from_v(vn);
+      if (!transfer) u_from_v(vn, o1);  // (o1 unused: kPairV takes u apart)
     }
-    // o's column tile ci into this wave's columns of the u / o tile (after every lane of
-    // the wave has read its u there), then the wave's 16 columns of o out, a 32-byte row
-    // segment per token as two 16-byte stores.
-    auto stage_o = [&](int ci, mma::Acc& oc) {
+    static_assert(!kPairV || !kAkk || kApart, "paired V rows form u in accumulators of their own");
+    // o's column tile ci of tile t into the wave's columns of the u / o tile (after every
+    // lane of the wave has read its u there), then the wave's columns of o out, 32-byte row
+    // segments per token and tile as two 16-byte stores each.
+    auto stage_o = [&](int ci, mma::Acc& oc, int t) {
       if (ci == 0) wave_sync();
-      mma::store_tile_t_at<Io>(oc, UBlock{Us, 16 * ci, 16 * wave});  // o^T -> o
+      mma::store_tile_t_at<Io>(oc, UBlock{Us, 16 * ci, colw + 16 * t});  // o^T -> o
     };
     // (a fixed count of pieces per lane, unrolled: as a loop from lane_id() nvcc built a
     // remainder loop and a four-way unrolled one around the one or two pieces a lane has)
     auto store_o = [&]() {
       wave_sync();
-      T* const oc = out + t0 * row_hd + h * D + row0;  // this chunk's first row, this wave's columns
-      constexpr int PIECES = 2 * C, PER_LANE = (PIECES + kWaveSize - 1) / kWaveSize;
 #pragma unroll
-      for (int m = 0; m < PER_LANE; ++m) {
-        const int e = lane_id() + m * kWaveSize;  // piece e of the wave's C rows x 32 bytes
-        if constexpr (kSwz) {
-          // swizzled: eight neighbouring lanes read one half of eight rows (eight bank
-          // groups), the next eight the other half of the same rows (whole 32-byte segments)
-          const int i = 8 * (e >> 4) + (e & 7), half = (e >> 3) & 1;
-          if ((PIECES % kWaveSize == 0 || e < PIECES) && i < valid)
-            *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
-                *reinterpret_cast<const uint4*>(Us + lds_index<BV, Lay::LDU, true>(i, 16 * wave + 8 * half));
-        } else {
-          const int i = e >> 1, half = e & 1;
-          if (i < valid)
-            *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
-                *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + 16 * wave + 8 * half);
+      for (int t = 0; t < (kPairV ? 2 : 1); ++t) {
+        T* const oc = out + t0 * row_hd + h * D + row0 + 16 * t;  // this chunk's first row, the tile's columns
+        const int col = colw + 16 * t;
+        constexpr int PIECES = 2 * C, PER_LANE = (PIECES + kWaveSize - 1) / kWaveSize;
+#pragma unroll
+        for (int m = 0; m < PER_LANE; ++m) {
+          const int e = lane_id() + m * kWaveSize;  // piece e of the tile's C rows x 32 bytes
+          if constexpr (kSwz) {
+            // swizzled: eight neighbouring lanes read one half of eight rows (eight bank
+            // groups), the next eight the other half of the same rows (whole 32-byte segments)
+            const int i = 8 * (e >> 4) + (e & 7), half = (e >> 3) & 1;
+            if ((PIECES % kWaveSize == 0 || e < PIECES) && i < valid)
+              *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
+                  *reinterpret_cast<const uint4*>(Us + lds_index<BV, Lay::LDU, true>(i, col + 8 * half));
+          } else {
+            const int i = e >> 1, half = e & 1;
+            if (i < valid)
+              *reinterpret_cast<uint4*>(oc + i * static_cast<int>(row_hd) + 8 * half) =
+                  *reinterpret_cast<const uint4*>(Us + i * Lay::LDU + col + 8 * half);
+          }
         }
       }
     };
@@ -542,70 +597,89 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
         wg::wait<1>();  // o's products (the state update may still run)
         wg::fence_operands(o);
 #pragma unroll
-        for (int ci = 0; ci < CT; ++ci) stage_o(ci, o[ci]);
+        for (int ci = 0; ci < CT; ++ci) stage_o(ci, o[ci], 0);
         store_o();
       }
     } else {
-      mma::Acc vn1[kPaired ? CT : 1];  // kPaired: the transfer rows' v_new^T (u = 0)
 #pragma unroll
       for (int ct = 0; ct < (kPaired ? CT : 0); ++ct) mma::zero(vn1[ct]);
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
         const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
-        [[maybe_unused]] const mma::Frag s1 = kPaired ? mma::to_a<Io>(S1[kPaired ? kt : 0]) : s;
+        [[maybe_unused]] const mma::Frag s1 = kTwo ? mma::to_a<Io>(S1[kTwo ? kt : 0]) : s;
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
           const mma::Frag wb = mma::load_b_smem_at(WBlock{Ws, 16 * ct, 16 * kt});
           mma::mma<Io>(vn[ct], s, wb);
-          if constexpr (kPaired) mma::mma<Io>(vn1[ct], s1, wb);
-          if constexpr (kMode != kWalkPassOne)
-            mma::mma<Io>(o[ct], s, mma::load_b_smem_at(WBlock{Qs, 16 * ct, 16 * kt}));
+          if constexpr (kTwo) mma::mma<Io>(vn1[kTwo ? ct : 0], s1, wb);
+          if constexpr (kMode != kWalkPassOne) {
+            const mma::Frag qb = mma::load_b_smem_at(WBlock{Qs, 16 * ct, 16 * kt});
+            mma::mma<Io>(o[ct], s, qb);
+            if constexpr (kPairV) mma::mma<Io>(o1[kPairV ? ct : 0], s1, qb);
+          }
         }
       }
       if constexpr (kApart) {
 #pragma unroll
-        for (int ct = 0; ct < CT; ++ct) mma::add(vn[ct], ua[ct]);
+        for (int ct = 0; ct < CT; ++ct) {
+          mma::add(vn[ct], ua[ct]);
+          if constexpr (kPairV) mma::add(vn1[kPairV ? ct : 0], ua1[kPairV ? ct : 0]);
+        }
       }
-      mma::Frag va[CT];
+      mma::Frag va[CT], va1[kTwo ? CT : 1];
 #pragma unroll
-      for (int ct = 0; ct < CT; ++ct) va[ct] = mma::to_a<Io>(vn[ct]);
+      for (int ct = 0; ct < CT; ++ct) {
+        va[ct] = mma::to_a<Io>(vn[ct]);
+        if constexpr (kPairV) va1[kPairV ? ct : 0] = mma::to_a<Io>(vn1[kPairV ? ct : 0]);
+      }
 
       // ---- o^T = -scale (-S^T qg^T) + v_new^T aqk^T (aqk is lower triangular by blocks) -----
       if constexpr (kMode != kWalkPassOne) {
+        // (per tile: o^T scaled, plus v_new^T aqk^T, staged and stored; out_o writes o
+        // element by element where u / o do not go through LDS)
+        auto out_o = [&](mma::Acc& oc, int ci, int t) {
+          mma::for_each(oc, [&](int r, int cc, float& x) {
+            const int i = 16 * ci + cc;
+            if (i < valid) out[(t0 + i) * row_hd + h * D + row0 + 16 * t + r] = from_float<Io>(x);
+          });
+        };
 #pragma unroll
         for (int ci = 0; ci < CT; ++ci) {
           mma::for_each(o[ci], [&](int, int, float& x) { x *= -a.scale; });
+          if constexpr (kPairV) mma::for_each(o1[kPairV ? ci : 0], [&](int, int, float& x) { x *= -a.scale; });
 #pragma unroll
-          for (int cj = 0; cj <= ci; ++cj)
-            mma::mma<Io>(o[ci], va[cj], mma::load_b_smem_at(CBlock{As, 16 * ci, 16 * cj}));
+          for (int cj = 0; cj <= ci; ++cj) {
+            const mma::Frag ab = mma::load_b_smem_at(CBlock{As, 16 * ci, 16 * cj});
+            mma::mma<Io>(o[ci], va[cj], ab);
+            if constexpr (kPairV) mma::mma<Io>(o1[kPairV ? ci : 0], va1[kPairV ? cj : 0], ab);
+          }
           if constexpr (Cfg::kStageUO) {
-            stage_o(ci, o[ci]);
+            stage_o(ci, o[ci], 0);
+            if constexpr (kPairV) stage_o(ci, o1[kPairV ? ci : 0], 1);
           } else {
-            mma::for_each(o[ci], [&](int r, int cc, float& x) {
-              const int i = 16 * ci + cc;
-              if (i < valid) out[(t0 + i) * row_hd + h * D + row0 + r] = from_float<Io>(x);
-            });
+            out_o(o[ci], ci, 0);
+            if constexpr (kPairV) out_o(o1[kPairV ? ci : 0], ci, 1);
           }
         }
         if constexpr (Cfg::kStageUO) store_o();
       }
 
       // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
-      mma::Frag va1[kPaired ? CT : 1];
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         va[ct] = mma::neg(va[ct]);
         if constexpr (kPaired) va1[ct] = mma::neg(mma::to_a<Io>(vn1[ct]));
+        if constexpr (kPairV) va1[kPairV ? ct : 0] = mma::neg(va1[kPairV ? ct : 0]);
       }
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
         mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
-        if constexpr (kPaired) mma::for_each(S1[kPaired ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+        if constexpr (kTwo) mma::for_each(S1[kTwo ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
           const mma::Frag kb = mma::load_b_smem_at(CBlock{KGs, 16 * kt, 16 * ct});
           mma::mma<Io>(S[kt], va[ct], kb);
-          if constexpr (kPaired) mma::mma<Io>(S1[kPaired ? kt : 0], va1[ct], kb);
+          if constexpr (kTwo) mma::mma<Io>(S1[kTwo ? kt : 0], va1[kTwo ? ct : 0], kb);
         }
       }
     }
@@ -619,8 +693,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
       if (row >= 0 && row < a.num_checkpoint_rows) {
         float* dst = a.checkpoint_state + (static_cast<int64_t>(row) * H + h) * D * D;
 #pragma unroll
-        for (int kt = 0; kt < KT; ++kt)
+        for (int kt = 0; kt < KT; ++kt) {
           mma::for_each(S[kt], [&](int r, int k, float& x) { dst[static_cast<int64_t>(row0 + r) * D + 16 * kt + k] = -x; });
+          if constexpr (kPairV)
+            mma::for_each(S1[kPairV ? kt : 0], [&](int r, int k, float& x) { dst[static_cast<int64_t>(row0 + 16 + r) * D + 16 * kt + k] = -x; });
+        }
       }
     }
   }
@@ -640,6 +717,9 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(ChunkLayout<Cfg>::kThreads,
   }
   if (dst != nullptr) store_state(S, dst, drow);
   if constexpr (kPaired) store_state(S1, group_plane<Cfg>(a, 1, g, nh), row0);
+  if constexpr (kPairV) {
+    if (dst != nullptr) store_state(S1, dst, drow + 16);
+  }
 }
 
 // S_start(0) = the initial state; S_start(g + 1) = S_start(g) R_g + B_g. Writes every
