@@ -232,9 +232,11 @@ CHUNK_SWIZZLE_CDNA = True
 
 # The walks with outputs (single walk, pass two) with two 16-row tiles of V per wave (S and
 # S1, rows row0 .. row0 + 31), as PASS_ONE_PAIRED does for pass one: the w, qg, kg_t, aqk
-# and akk fragments and the decay read once for both tiles, blocks of half the waves. Off:
-# not timed yet.
-WALK_PAIRED = False
+# and akk fragments and the decay read once for both tiles, blocks of half the waves. On:
+# H200, c16 lower bound, two rounds (docs/NOTES.md v22): single walk 0.527 -> 0.453 ms at
+# 8x4096x32, 0.552 -> 0.502 at 32x1024x32, pass two 0.526 -> 0.443-0.445 at 1x32768x32;
+# busy-stream graph 1.156-1.159 -> 1.084-1.089, 1.184 -> 1.133, 1.744 -> 1.661-1.670.
+WALK_PAIRED = True
 
 
 def walk_paired(chunk_size: int, block_width: int, wave_size: int, wgmma: bool = False) -> bool:

@@ -595,9 +595,11 @@ def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, monkeypatch):
 
 
 @needs_clang
-@pytest.mark.parametrize("head_dim, block_width, swizzle", [(128, 128, False), (64, 32, True)])
-def test_paired_walk_rows_at_chunk_16(head_dim, block_width, swizzle, monkeypatch):
-    """The single walk and pass two with two 16-row tiles of V per wave (WALK_PAIRED) in
+@pytest.mark.parametrize("head_dim, block_width, swizzle, paired", [
+    (128, 128, False, True), (64, 32, True, True), (128, 128, False, False)])
+def test_paired_walk_rows_at_chunk_16(head_dim, block_width, swizzle, paired, monkeypatch):
+    """The single walk and pass two with two 16-row tiles of V per wave (WALK_PAIRED, the
+    default at chunk 16 on wave32) and with one (the form every other variant takes), in
     the chunk-16 form (sm_90; the shipped d128 / bv128 padded, d64 / bv32 swizzled): outputs
     and end states against the float64 reference in one walk and in 3 groups, u read and
     u formed from v, then a paged cache and a mid-prefill checkpoint; outputs, cache rows
@@ -606,12 +608,13 @@ def test_paired_walk_rows_at_chunk_16(head_dim, block_width, swizzle, monkeypatc
     from kdagen.render import render
 
     monkeypatch.setenv("KDAGEN_POISON", "1")
-    monkeypatch.setattr(resources, "WALK_PAIRED", True)
+    monkeypatch.setattr(resources, "WALK_PAIRED", paired)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
     C, D, H = 16, head_dim, 2
     kern = emulated(head_dim=D, chunk_size=C, block_width=block_width, gate="lower_bound", target="sm_90")
     src = render(kern.spec).files["kernels.hip"]
-    assert "kWalkPaired = true;" in src and f"kChunkSwizzle = {'true' if swizzle else 'false'};" in src
+    assert f"kWalkPaired = {'true' if paired else 'false'};" in src
+    assert f"kChunkSwizzle = {'true' if swizzle else 'false'};" in src
     x = make_inputs([1, C - 1, C + 1, 5 * C + 3], H, D, device="cpu", gate="lower_bound", seed=D + 5)
     N = x.cu_seqlens.numel() - 1
     init = torch.randn(N, H, D, D, generator=torch.Generator().manual_seed(8)) * 0.1

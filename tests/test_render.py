@@ -147,7 +147,7 @@ def test_default_constexprs():
         "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
         "kPassOnePaired": "false",  # resources.pass_one_paired: on (v21), but not at c64 on wave32 (spills)
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
-        "kWalkPaired": "false",  # resources.WALK_PAIRED: one 16-row tile a wave in the walks (paired not timed)
+        "kWalkPaired": "false",  # resources.walk_paired: on (v22), at chunk 16 only
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -266,19 +266,19 @@ def test_paired_pass_one_on_by_default_and_never_with_warpgroup_products(monkeyp
 
 
 def test_paired_walk_rows_only_at_chunk_16_on_wave32(monkeypatch):
-    """WALK_PAIRED (off until timed) reaches the Config only for chunk-16 wave32 variants
-    with blocks of whole 32-row pairs and the per-wave products; the walk's blocks then
-    have half the threads."""
+    """WALK_PAIRED (on since v22, timed faster) reaches the Config only for chunk-16
+    wave32 variants with blocks of whole 32-row pairs and the per-wave products; the
+    walk's blocks then have half the threads."""
     paired = lambda spec: constexprs(kernels(spec))["kWalkPaired"]  # noqa: E731
-    assert not resources.WALK_PAIRED
-    assert paired(dict(chunk_size=16)) == "false"
-    monkeypatch.setattr(resources, "WALK_PAIRED", True)
+    assert resources.WALK_PAIRED
     assert paired(dict(chunk_size=16)) == "true"
     assert paired(dict(chunk_size=16, block_width=32)) == "true"
     assert paired(dict(chunk_size=16, block_width=16)) == "false"
     assert paired(dict(chunk_size=32)) == "false"
     assert paired(dict(chunk_size=16, target="gfx90a")) == "false"
     assert not resources.walk_paired(16, 128, 32, wgmma=True)
+    monkeypatch.setattr(resources, "WALK_PAIRED", False)
+    assert paired(dict(chunk_size=16)) == "false"
 
 
 def test_swizzled_tiles_on_cdna_off_on_nvidia_never_with_warpgroup_products(monkeypatch):

@@ -58,6 +58,7 @@ struct ChunkLayout {
   static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kThreads = (BV / (kTwoTiles ? 32 : 16)) * kWaveSize;
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
+  static_assert(!kTwoTiles || BV % 32 == 0, "paired rows take blocks of whole 32-row pairs");
   static_assert(!kWg || (BV % 64 == 0 && Cfg::kStageUO && kStages > 1),
                 "warpgroup products take 64-row warpgroups, u / o through LDS and async copies");
   static_assert(!kWg || LDW == D, "warpgroup products read the w and qg tiles as one 2C-row tile");
@@ -494,7 +495,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
       }
       if (!transfer) u_from_v(ua, ua1);
     } else if constexpr (kAkk) {
-      if (!transfer) u_from_v(vn, o1);  // (o1 unused: kPairV takes u apart)
+      if (!transfer) u_from_v(vn, ua1);  // (ua1 unused: paired V rows take u apart)
     }
     static_assert(!kPairV || !kAkk || kApart, "paired V rows form u in accumulators of their own");
     // o's column tile ci of tile t into the wave's columns of the u / o tile (after every
