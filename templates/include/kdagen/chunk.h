@@ -245,40 +245,31 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   // (8-byte pieces where the vendor layer has them, mma::kStateRows, and the plane is 16-byte
   // aligned: the caller's initial_state may be 4-byte aligned only)
   const bool init16 = init != nullptr && reinterpret_cast<uintptr_t>(init) % 16 == 0;
+  // Rows rowb .. rowb + 15 of the start state into St (or the identity rows of the
+  // transfer, pass one's blocks past V).
+  auto start_state = [&](mma::Acc (&St)[KT], int rowb) {
 #pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    mma::zero(S[kt]);
-    if constexpr (mma::kStateRows) {
-      if (init16) {
-        mma::load_rows_f32(S[kt], init + static_cast<int64_t>(row0) * D + 16 * kt, D, -1.0f);
-        continue;
+    for (int kt = 0; kt < KT; ++kt) {
+      mma::zero(St[kt]);
+      if constexpr (mma::kStateRows) {
+        if (init16) {
+          mma::load_rows_f32(St[kt], init + static_cast<int64_t>(rowb) * D + 16 * kt, D, -1.0f);
+          continue;
+        }
       }
+      mma::for_each(St[kt], [&](int r, int k, float& x) {
+        if (transfer) x = (rowb + r - D == 16 * kt + k) ? -1.0f : 0.0f;
+        else if (init != nullptr) x = -init[static_cast<int64_t>(rowb + r) * D + 16 * kt + k];
+      });
     }
-    mma::for_each(S[kt], [&](int r, int k, float& x) {
-      if (transfer) x = (row0 + r - D == 16 * kt + k) ? -1.0f : 0.0f;
-      else if (init != nullptr) x = -init[static_cast<int64_t>(row0 + r) * D + 16 * kt + k];
-    });
-  }
+  };
+  start_state(S, row0);
   if constexpr (kPaired) {
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt)
       mma::for_each(S1[kt], [&](int r, int k, float& x) { x = (row0 + r == 16 * kt + k) ? -1.0f : 0.0f; });
   }
-  if constexpr (kPairV) {
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-      mma::zero(S1[kt]);
-      if constexpr (mma::kStateRows) {
-        if (init16) {
-          mma::load_rows_f32(S1[kt], init + static_cast<int64_t>(row0 + 16) * D + 16 * kt, D, -1.0f);
-          continue;
-        }
-      }
-      mma::for_each(S1[kt], [&](int r, int k, float& x) {
-        if (init != nullptr) x = -init[static_cast<int64_t>(row0 + 16 + r) * D + 16 * kt + k];
-      });
-    }
-  }
+  if constexpr (kPairV) start_state(S1, row0 + 16);  // (never a transfer block)
 
   // The state (negated back) into a plane's rows from `row`: 8-byte pieces where the vendor
   // layer has them and the plane allows (a paged cache may be a 4-byte aligned view).
