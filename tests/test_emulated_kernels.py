@@ -340,6 +340,26 @@ def test_chunk_16_diagonal_block_both_ways(target, monkeypatch):
     check_prologue_and_single_walk(kern, x, C)
 
 
+def paged_walk(kern, x, p, slots, idx, has, offs, groups):
+    """The chunk scan of prologue outputs ``p`` on a paged cache of ``slots`` random rows
+    (sequence n at row idx[n], started from it where has[n]) with a checkpoint after
+    offs[n] tokens (0: none), output and checkpoints poisoned. Returns the output, the
+    returned final state, the cache after and before, the checkpoints, and the float64
+    reference's (output, final states, checkpoints)."""
+    N, H, D = len(idx), x.q.shape[2], x.q.shape[3]
+    cache = torch.randn(slots, H, D, D, generator=torch.Generator().manual_seed(3)) * 0.1
+    before = cache.clone()
+    ck = torch.full((N, H, D, D), float("nan"))
+    out, fin = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.full_like(p["u"], float("nan")), None,
+                                    x.cu_seqlens, None, False, state_cache=cache, state_indices=idx,
+                                    has_initial_state=has, checkpoint_state=ck, checkpoint_offsets=offs,
+                                    groups=groups)
+    init = before[idx.long()] * has[:, None, None, None]
+    want = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound, cu_seqlens=x.cu_seqlens,
+                                       initial_state=init, checkpoint_offsets=offs)
+    return out, fin, cache, before, ck, want
+
+
 @needs_clang
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
 @pytest.mark.parametrize("groups", [1, 3, 4])
@@ -351,25 +371,16 @@ def test_paged_cache_and_checkpoints(target, groups, monkeypatch):
     kern = emulated(head_dim=64, chunk_size=32, target=target)
     C, D, H = 32, 64, 2
     x = make_inputs([C * 3 + 3, C, 5], H, D, device="cpu", seed=21)
-    slots = 6
-    cache = torch.randn(slots, H, D, D) * 0.1
-    before = cache.clone()
     idx = torch.tensor([4, 1, 2], dtype=torch.int32)
     has = torch.tensor([True, False, True])
-    ck = torch.full((3, H, D, D), float("nan"))
     offs = torch.tensor([C * 2, 0, 0], dtype=torch.int32)
     p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
-    out, fin = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
-                                    x.cu_seqlens, None, False, state_cache=cache, state_indices=idx,
-                                    has_initial_state=has, checkpoint_state=ck,
-                                    checkpoint_offsets=offs, groups=groups)
+    out, fin, cache, before, ck, (o_ref, s_ref, ck_ref) = paged_walk(kern, x, p, 6, idx, has, offs,
+                                                                     groups)
     assert fin is None
-    init = before[idx.long()] * has[:, None, None, None]
-    o_ref, s_ref, ck_ref = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens,
-                                                       initial_state=init, checkpoint_offsets=offs)
     assert rel_err(out, o_ref) < TOL
     assert rel_err(cache[idx.long()], s_ref) < TOL
-    others = [i for i in range(slots) if i not in idx.tolist()]
+    others = [i for i in range(cache.shape[0]) if i not in idx.tolist()]
     assert torch.equal(cache[others], before[others])
     assert rel_err(ck[0], ck_ref[0]) < TOL
     assert torch.isnan(ck[1]).all() and torch.isnan(ck[2]).all()  # offset 0: no export
@@ -602,8 +613,8 @@ def test_paired_walk_rows_at_chunk_16(head_dim, block_width, swizzle, paired, mo
     default at chunk 16 on wave32) and with one (the form every other variant takes), in
     the chunk-16 form (sm_90; the shipped d128 / bv128 padded, d64 / bv32 swizzled): outputs
     and end states against the float64 reference in one walk and in 3 groups, u read and
-    u formed from v, then a paged cache and a mid-prefill checkpoint; outputs, cache rows
-    and checkpoints poisoned. A second tile that reads the first tile's u, stores over its
+    u formed from v, then a paged cache and a mid-prefill checkpoint; outputs and
+    checkpoints poisoned. A second tile that reads the first tile's u, stores over its
     o, or starts from its rows of the state fails here."""
     from kdagen.render import render
 
@@ -626,20 +637,10 @@ def test_paired_walk_rows_at_chunk_16(head_dim, block_width, swizzle, paired, mo
                                      x.cu_seqlens, init, True, groups=g)
         assert rel_err(o, o_ref) < TOL and rel_err(st, s_ref) < TOL, (g, rel_err(o, o_ref))
     check_deferred_u(kern, x, init, o_ref, s_ref, groups=(1, 3))
-    cache = torch.randn(6, H, D, D, generator=torch.Generator().manual_seed(3)) * 0.1
-    before = cache.clone()
     idx = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
     has = torch.tensor([True, False, True, True])
-    ck = torch.full((N, H, D, D), float("nan"))
     offs = torch.tensor([0, 0, 0, 2 * C], dtype=torch.int32)
-    out, _ = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.full_like(p["u"], float("nan")), None,
-                                  x.cu_seqlens, None, False, state_cache=cache, state_indices=idx,
-                                  has_initial_state=has, checkpoint_state=ck, checkpoint_offsets=offs,
-                                  groups=1)
-    init = before[idx.long()] * has[:, None, None, None]
-    o_ref, s_ref, ck_ref = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
-                                                       cu_seqlens=x.cu_seqlens, initial_state=init,
-                                                       checkpoint_offsets=offs)
+    out, _, cache, _, ck, (o_ref, s_ref, ck_ref) = paged_walk(kern, x, p, 6, idx, has, offs, 1)
     assert rel_err(out, o_ref) < TOL and rel_err(cache[idx.long()], s_ref) < TOL
     assert rel_err(ck[3], ck_ref[3]) < TOL
 
