@@ -14,6 +14,10 @@ from typing import Sequence
 
 import torch
 
+# Chunk groups an op takes: the group scan keeps a table of G + P - 2 <= 253 products per
+# sequence (chunk.h kMaxScanItems, P <= G - 1 segments).
+MAX_OP_GROUPS = 128
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -181,9 +185,20 @@ def group_count(op: str, groups: object) -> int:
     if isinstance(groups, bool) or not isinstance(groups, int):
         _fail(op, "groups", f"must be an int >= 1, got {groups!r}", TypeError)
     assert isinstance(groups, int)
-    if groups < 1:
-        _fail(op, "groups", f"must be >= 1, got {groups}")
+    if groups < 1 or groups > MAX_OP_GROUPS:
+        _fail(op, "groups", f"must be in 1 .. {MAX_OP_GROUPS}, got {groups}")
     return groups
+
+
+def segment_count(op: str, segments: object, groups: int) -> int:
+    """Pass one's segments: 1 .. groups - 1 with chunk groups, 0 = one per group."""
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        _fail(op, "segments", f"must be an int >= 0, got {segments!r}", TypeError)
+    assert isinstance(segments, int)
+    top = max(groups - 1, 0)
+    if segments < 0 or segments > top:
+        _fail(op, "segments", f"must be in 0 .. groups - 1 = {top}, got {segments}")
+    return segments
 
 
 def same_device(op: str, ref: torch.Tensor, **named: torch.Tensor | None) -> None:

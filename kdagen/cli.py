@@ -215,7 +215,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="environment: KDAGEN_CACHE_DIR (build cache, default ~/.cache/kdagen), "
                "KDAGEN_ARCH (default --arch list), KDAGEN_REBUILD=1 (rebuild), KDAGEN_VERBOSE=1 "
                "(compiler lines), KDAGEN_JOBS (ninja -j), KDAGEN_GROUPS (force a chunk-group "
-               "count), KDAGEN_AUTOTUNE=1 (tune unseen shapes on first use; off: ignore the "
+               "count), KDAGEN_SEGMENTS (force pass one's segments), KDAGEN_AUTOTUNE=1 (tune unseen shapes on first use; off: ignore the "
                "autotune cache), KDAGEN_CHECK_VALUES=0 (skip host-side value checks), "
                "KDAGEN_BENCH_GRAPH=0 (bench: no CUDA-graph column)",
     )

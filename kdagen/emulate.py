@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .groups import segments_of
 from .ops import Kernels
 from .render import render, symbol_prefix
 from .spec import KernelSpec, spec_from_any
@@ -59,7 +60,7 @@ class ChunkArgs(ct.Structure):
                           "state_indices", "has_initial_state", "checkpoint_state",
                           "checkpoint_offsets", "checkpoint_state_indices", "workspace")] + \
         [(n, ct.c_int32) for n in ("num_seqs", "num_heads", "num_groups", "num_slots",
-                                   "num_checkpoint_rows")] + [("scale", ct.c_float)]
+                                   "num_checkpoint_rows", "num_segments")] + [("scale", ct.c_float)]
 
 
 STRUCTS = {"recurrent": RecurrentArgs, "prologue": PrologueArgs, "chunk": ChunkArgs}
@@ -123,7 +124,7 @@ def _ops(lib: ct.CDLL, spec: KernelSpec) -> dict:
         def chunk(qg, w, u, kg_t, aqk, decay, out, cu_seqlens, chunk_offsets, scale, initial_state,
                   final_state, workspace, groups, checkpoint_state, checkpoint_offsets,
                   checkpoint_state_indices, state_cache, state_indices, has_initial_state, akk=None,
-                  f=getattr(lib, f"{sym}_chunk")):
+                  segments=0, f=getattr(lib, f"{sym}_chunk")):
             a = ChunkArgs(
                 qg.data_ptr(), w.data_ptr(), _strided(u, 1, 2),
                 *(_ptr(t) for t in (kg_t, aqk, decay, akk)),
@@ -133,7 +134,8 @@ def _ops(lib: ct.CDLL, spec: KernelSpec) -> dict:
                                     checkpoint_state_indices, workspace)),
                 cu_seqlens.numel() - 1, qg.shape[2], max(1, int(groups)),
                 state_cache.shape[0] if state_cache is not None else 0,
-                checkpoint_state.shape[0] if checkpoint_state is not None else 0, scale)
+                checkpoint_state.shape[0] if checkpoint_state is not None else 0,
+                segments_of(groups, segments), scale)
             _check(f(ct.byref(a), None), "chunk")
 
         ops["chunk"] = chunk

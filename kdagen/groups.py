@@ -11,6 +11,13 @@ per compute unit, the launch bound's), or while the groups stay long enough that
 two's shorter walk is worth a second batch of pass one.
 G == 2 only doubles the staging for the same depth, so a split starts at 4.
 
+Pass one walks the chunks before the last group's start in segments of its own
+(``pass_one_segments``): one per group would take 1x32768x32's 7 x 32 pass-one blocks
+through the 132 SMs in two batches (1.7 full), four segments per head take 128 blocks in
+one batch of 448 chunks each, where two batches of one group each walk 512. Pass one then
+also stores its state at the group starts inside a segment, and the scan forms each
+group's start from its segment's (chunk.h).
+
 Measured on the H200 (c16, two resident walk blocks per SM, CUDA-graph end to end,
 docs/NOTES.md v16): 1x32768x32 takes 2.03 / 1.91 / 1.98 ms at 4 / 8 / 16 groups (this
 rule: 8), 1x131072x8 2.08 / 2.03 ms at 16 / 32 (this rule: 32).
@@ -55,6 +62,15 @@ def chunk_groups(
     return cand if cand >= 4 else 1
 
 
+def segments_for_spec(spec, groups: int, num_seqs: int, num_heads: int, num_cus: int) -> int:
+    """``pass_one_segments`` for the chunk scan of ``spec`` (a KernelSpec)."""
+    from .render import chunk_plan_for
+
+    D, bv = spec.head_dim, spec.block_width
+    return pass_one_segments(groups, num_seqs, num_heads, num_cus, pass_one_blocks=2 * D // bv,
+                             resident=chunk_plan_for(spec).min_blocks)
+
+
 def groups_for_spec(spec, chunks_per_seq: int, num_seqs: int, num_heads: int, num_cus: int) -> int:
     """``chunk_groups`` for the chunk scan of ``spec`` (a KernelSpec): its blocks per pass
     from the block width, its resident blocks from the launch bound of its chunk plan."""
@@ -65,18 +81,52 @@ def groups_for_spec(spec, chunks_per_seq: int, num_seqs: int, num_heads: int, nu
                         pass_two_blocks=D // bv, resident=chunk_plan_for(spec).min_blocks)
 
 
-def workspace_floats(groups: int, nh: int, head_dim: int) -> int:
-    """bg [G][NH][V][K] | rg [G][NH][K][K] | sin [G][NH][V][K], fp32 (see chunk.h)."""
-    return 3 * groups * nh * head_dim * head_dim
+def pass_one_segments(groups: int, num_seqs: int, num_heads: int, num_cus: int, *,
+                      pass_one_blocks: int, resident: int = 1) -> int:
+    """Pass one's segments per sequence for ``groups`` groups (0 where there is no pass
+    one): the count P in 1 .. groups - 1 whose blocks take the fewest chunks end to end,
+    batches x (chunks / P) with batches = ceil(P x blocks / slots), the smaller P on a tie
+    (fewer products in the scan). ``KDAGEN_SEGMENTS`` forces one (clamped; 0: one per
+    group)."""
+    if groups <= 1:
+        return 0
+    top = groups - 1
+    forced = os.environ.get("KDAGEN_SEGMENTS")
+    if forced:
+        return top if int(forced) < 1 else min(int(forced), top)
+    per_seg = pass_one_blocks * max(num_seqs * num_heads, 1)
+    slots = num_cus * max(resident, 1)
+    best, best_cost = top, None
+    for p in range(1, top + 1):
+        cost = -(-p * per_seg // slots) / p
+        if best_cost is None or cost < best_cost - 1e-12:
+            best, best_cost = p, cost
+    return best
+
+
+def segments_of(groups: int, segments: int) -> int:
+    """The segments the kernels run for an op's ``segments`` argument: 0 means one per
+    group (groups - 1), as the op's default."""
+    return segments if segments >= 1 else max(groups - 1, 1)
+
+
+def workspace_floats(groups: int, nh: int, head_dim: int, segments: int = 0) -> int:
+    """bg [Q][NH][V][K] | rg [Q][NH][K][K] | sin [Q][NH][V][K], fp32, Q = G + P - 2 slots
+    for P >= 2 segments, else G (chunk.h's workspace_slots)."""
+    p = segments_of(groups, segments)
+    slots = groups + (p - 2 if p > 1 else 0)
+    return 3 * slots * nh * head_dim * head_dim
 
 
 def group_workspace(groups: int, nh: int, head_dim: int, device: torch.device,
-                    alloc: Callable[..., torch.Tensor] = torch.empty) -> torch.Tensor | None:
+                    alloc: Callable[..., torch.Tensor] = torch.empty,
+                    segments: int = 0) -> torch.Tensor | None:
     """One fp32 buffer from ``alloc`` (the caching allocator, so memory profilers see it;
     the ops pass theirs, which poisons under KDAGEN_POISON)."""
     if groups <= 1:
         return None
-    return alloc(workspace_floats(groups, nh, head_dim), dtype=torch.float32, device=device)
+    return alloc(workspace_floats(groups, nh, head_dim, segments), dtype=torch.float32,
+                 device=device)
 
 
 @lru_cache(maxsize=None)

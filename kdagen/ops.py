@@ -18,7 +18,7 @@ import torch
 from . import checks as ck
 from . import autotune
 from . import seqlens
-from .groups import group_workspace, groups_for_spec, num_compute_units
+from .groups import group_workspace, groups_for_spec, num_compute_units, segments_for_spec
 from .spec import KernelSpec
 
 IO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -333,6 +333,7 @@ class Kernels:
         has_initial_state: torch.Tensor | None = None,
         *,
         groups: int | None = None,
+        segments: int | None = None,
         akk: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunk recurrence and the output projection. States are fp32 V-first
@@ -342,7 +343,8 @@ class Kernels:
         the returned final state is None. ``checkpoint_offsets [N]`` (multiples of the
         chunk size, 0 = none) snapshot the state after that many tokens into
         ``checkpoint_state`` row n, or row ``checkpoint_state_indices[n]`` (negative =
-        none). ``out`` may alias ``u``. ``groups`` overrides the chunk-group heuristic.
+        none). ``out`` may alias ``u``. ``groups`` overrides the chunk-group heuristic,
+        ``segments`` (1 .. groups - 1) the count of pass one's segments (groups.py).
 
         ``akk`` (from ``fused_kda_prologue(..., defer_u=True)``): ``u`` is then the raw v
         ``[1, T, H, V]`` (a strided last-dim view is fine, rows 16-byte aligned) and the
@@ -431,10 +433,13 @@ class Kernels:
         if groups is None:
             groups = self._choose_groups(nchunks // max(N, 1), N, H, dev)
         groups = ck.group_count(op, groups)
-        workspace = group_workspace(groups, N * H, D, dev, alloc=_empty)
+        if segments is None:  # (0, one per group, where no compute units can be read: the emulation)
+            segments = segments_for_spec(self.spec, groups, N, H, num_compute_units(dev)) if dev.type == "cuda" else 0
+        segments = ck.segment_count(op, segments, groups)
+        workspace = group_workspace(groups, N * H, D, dev, alloc=_empty, segments=segments)
         fn(qg, w, u, kg_t, aqk, decay, out, cu32, co, _scale(scale, D), initial_state, final_state,
            workspace, int(groups), checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
-           state_cache, state_indices, has_initial_state, akk)
+           state_cache, state_indices, has_initial_state, akk, int(segments))
         return out, final_state
 
 

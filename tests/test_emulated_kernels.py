@@ -554,8 +554,10 @@ def test_softplus_gate_over_its_whole_input_range(target):
     ("gfx942", 0, True, True)])
 def test_every_group_count_matches_the_single_walk(target, pass_one_stages, paired, swizzle, monkeypatch):
     """The two-pass group scan against the single walk, for group counts that split
-    one long walk evenly, unevenly and into groups of one chunk (workspace poisoned:
-    a plane read before it is written shows as NaN); on sm_90 also with pass one
+    one long walk evenly, unevenly and into groups of one chunk, with pass one in one
+    segment per group and in fewer segments that end between group starts (pass one
+    storing at the group starts inside them, empty segments in the short sequence;
+    workspace poisoned: a plane read before it is written shows as NaN); on sm_90 also with pass one
     buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two,
     with pass one's state and transfer rows paired in one block (PASS_ONE_PAIRED), and
     with swizzled tiles (CHUNK_SWIZZLE, CHUNK_SWIZZLE_CDNA: set here on both vendors)."""
@@ -573,12 +575,12 @@ def test_every_group_count_matches_the_single_walk(target, pass_one_stages, pair
     x = make_inputs([32 * 9 + 7, 40], 2, 64, device="cpu", seed=17)  # walks of 10 and 2 chunks
     p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
     init = torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(4)) * 0.1
-    run = lambda g: kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
-                                         x.cu_seqlens, init, True, groups=g)
+    run = lambda g, s=None: kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
+                                                 x.cu_seqlens, init, True, groups=g, segments=s)
     o1, s1 = run(1)
-    for g in (2, 3, 4, 10):
-        og, sg = run(g)
-        assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2, g
+    for g, segments in ((2, None), (3, None), (3, 1), (4, None), (4, 2), (10, None), (10, 1), (10, 4)):
+        og, sg = run(g, segments)
+        assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2, (g, segments)
 
 
 @needs_clang

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 import kdagen.ops as kops
 from kdagen.checks import ArgumentError
-from kdagen.groups import MAX_GROUPS, chunk_groups, group_workspace
+from kdagen.groups import MAX_GROUPS, chunk_groups, group_workspace, pass_one_segments, segments_of
 from kdagen.ops import Kernels
 from kdagen.render import chunk_plan_for
 from kdagen.spec import KernelSpec
@@ -991,13 +991,30 @@ def test_chunk_groups_forced_by_env(gpu, monkeypatch):
     kern, fake = make_kernels()
     run_ok(kern.fused_kda_chunk, fake, chunk_args())
     ws, g = fake.calls[0][12], fake.calls[0][13]
-    assert g == 4 and ws.dtype == F32 and ws.numel() == 3 * 4 * N * PH * D * D
+    assert g == 4 and ws.dtype == F32 and ws.numel() == 3 * workspace_slots(fake.calls[0]) * N * PH * D * D
+
+
+def workspace_slots(call) -> int:
+    """The workspace slots a chunk call's groups and segments (argument 21) take."""
+    g, p = call[13], segments_of(call[13], call[21])
+    assert 1 <= p <= g - 1
+    return g + max(p - 2, 0)
 
 
 def test_chunk_groups_kwarg(gpu):
     kern, fake = make_kernels()
     run_ok(kern.fused_kda_chunk, fake, dict(chunk_args(), groups=5))
-    assert fake.calls[0][13] == 5 and fake.calls[0][12].numel() == 3 * 5 * N * PH * D * D
+    assert fake.calls[0][13] == 5 and fake.calls[0][12].numel() == 3 * workspace_slots(fake.calls[0]) * N * PH * D * D
+    for segments in (1, 2, 4):
+        fake.calls.clear()
+        run_ok(kern.fused_kda_chunk, fake, dict(chunk_args(), groups=5, segments=segments))
+        assert fake.calls[0][21] == segments
+        assert fake.calls[0][12].numel() == 3 * (5 + max(segments - 2, 0)) * N * PH * D * D
+    for bad in (5, -1):
+        with pytest.raises(ArgumentError, match="segments"):
+            kern.fused_kda_chunk(**dict(chunk_args(), groups=5, segments=bad))
+    with pytest.raises(ArgumentError, match="groups"):
+        kern.fused_kda_chunk(**dict(chunk_args(), groups=129))
 
 
 @pytest.mark.parametrize("bv,want", [(64, 8), (32, 8)])
@@ -1020,7 +1037,7 @@ def test_chunk_groups_heuristic_in_wrapper(gpu, bv, want):
                                 pass_two_blocks=D // bv,
                                 resident=chunk_plan_for(kern.spec).min_blocks)
     assert fake.calls[0][13] == want
-    assert fake.calls[0][12].numel() == 3 * want * h * D * D
+    assert fake.calls[0][12].numel() == 3 * workspace_slots(fake.calls[0]) * h * D * D
 
 
 # -- value checks can be turned off --
@@ -1154,8 +1171,23 @@ def test_chunk_groups_env(monkeypatch, forced, want):
 def test_group_workspace():
     assert group_workspace(1, 16, 64, torch.device("cpu")) is None
     assert group_workspace(0, 16, 64, torch.device("cpu")) is None
-    ws = group_workspace(4, 6, 64, torch.device("cpu"))
-    assert ws.dtype == F32 and ws.numel() == 3 * 4 * 6 * 64 * 64
+    ws = group_workspace(4, 6, 64, torch.device("cpu"))  # 3 segments: 4 + 1 slots
+    assert ws.dtype == F32 and ws.numel() == 3 * 5 * 6 * 64 * 64
+    for segments, slots in ((1, 4), (2, 4), (3, 5)):
+        ws = group_workspace(4, 6, 64, torch.device("cpu"), segments=segments)
+        assert ws.numel() == 3 * slots * 6 * 64 * 64, segments
+
+
+def test_pass_one_segments_fill_the_compute_units_once(monkeypatch):
+    two = dict(pass_one_blocks=2, resident=2)  # d128 / bv128, c16: 264 slots on 132 SMs
+    assert pass_one_segments(1, 8, 32, 132, **two) == 0  # the single walk has no pass one
+    assert pass_one_segments(8, 1, 32, 132, **two) == 4  # 1x32768x32: 128 blocks, not 224
+    assert pass_one_segments(32, 1, 8, 132, **two) == 16  # 1x131072x8: 128, not 248
+    assert pass_one_segments(4, 1, 32, 132, **two) == 3  # 1x2048x32: one per group fits
+    assert pass_one_segments(8, 4, 64, 132, **two) == 1  # two batches at any count: the fewest
+    for forced, want in (("2", 2), ("99", 7), ("0", 7)):  # 0: one per group
+        monkeypatch.setenv("KDAGEN_SEGMENTS", forced)
+        assert pass_one_segments(8, 1, 32, 132, **two) == want
 
 
 def test_varlen_zero_length_sequence():
@@ -1394,7 +1426,7 @@ def test_chunk_with_akk_takes_a_strided_v(gpu):
     a = akk_args()
     run_ok(kern.fused_kda_chunk, fake, a)
     call = fake.calls[0]
-    assert call[2] is a["u"] and call[-1] is a["akk"]
+    assert call[2] is a["u"] and call[20] is a["akk"]
 
 
 def _odd_token_stride(t: torch.Tensor) -> torch.Tensor:
@@ -1442,10 +1474,10 @@ def test_prefill_forms_u_in_the_scan_where_v_allows(gpu, aligned):
     pro, scan = fake.calls
     if aligned:
         assert pro[9] is None and pro[-1] is not None  # akk in place of u
-        assert scan[2] is a["v"] and scan[-1] is pro[-1] and o is scan[6]
+        assert scan[2] is a["v"] and scan[20] is pro[-1] and o is scan[6]
     else:
         assert pro[9] is not None and pro[-1] is None
-        assert scan[2] is pro[9] and scan[6] is pro[9] and scan[-1] is None
+        assert scan[2] is pro[9] and scan[6] is pro[9] and scan[20] is None
 
 
 def test_scan_forms_u_where_u_and_o_are_staged():

@@ -16,13 +16,23 @@
 // w, qg, kg_t and aqk tiles are stored in the K-major core-matrix layout
 // (wg::tile_index) and read once per warpgroup, not once per wave through ldmatrix.
 //
-// Chunk groups (DESIGN 2): the walk is affine, S_{c+1} = M_c S_c + kg_c^T u_c.
-//   pass one  (kMode 1): per group but the last, the zero-start state B_g (rows < V) and
-//             the transfer R_g = A_g^T (rows V..V+K, started from the identity, u = 0).
-//   scan      (group_scan_kernel): S_start(g+1) = S_start(g) R_g + B_g, in fp32.
+// Chunk groups (DESIGN 2): the walk is affine, S_{c+1} = M_c S_c + kg_c^T u_c. Pass two
+// cuts a sequence into G groups; pass one walks the chunks before the last group's start
+// in P segments of their own (num_segments, 1 <= P <= G - 1: as many as fill the compute
+// units once, PassOneSegments), which need not end where groups start.
+//   pass one  (kMode 1): per segment, from the segment's start, the zero-start state B
+//             (rows < V) and the transfer R = A^T (rows V..V+K, started from the
+//             identity, u = 0), stored at every group start inside the segment and at the
+//             segment's end.
+//   scan      (group_scan_kernel): with X_s the true state at segment s's start,
+//             S_start(g) = X_s R + B for the group starts in segment s, and
+//             X_{s+1} = X_s R + B at its end; in fp32.
 //   pass two  (kMode 2): each group walks again from its true start, with outputs.
-// kMode 0 is the single walk. Workspace (fp32, planes of D*D per (group, n*H+h)):
-//   bg [G][N*H][V][K] | rg [G][N*H][K][K] | sin [G][N*H][V][K]
+// kMode 0 is the single walk. Workspace (fp32, planes of D*D per (slot, n*H+h), Q slots):
+//   bg [Q][N*H][V][K] | rg [Q][N*H][K][K] | sin [Q][N*H][V][K]
+// bg / rg slot g - 1 holds group g's start (g = 1 .. G - 1), slot G - 1 + s segment s's
+// end where no group starts there; sin slot g group g's true start. Q = G + P - 2 (G for
+// P = 1): workspace_slots.
 //
 // u from v (kAkk): the prologue may leave u = (I + L)^-1 Diag(b) v unformed and store
 // akk = (I + L)^-1 Diag(b) (C x C per chunk) instead; the walk then reads the raw v rows
@@ -132,12 +142,36 @@ __device__ __forceinline__ void copy_operand(uint16_t* dst, const uint16_t* src,
   else copy_rows<ROWS, WIDTH, LD, NT, kSwz>(dst, src, row_stride, valid);
 }
 
-template <class Cfg>
-__device__ __forceinline__ float* group_plane(const ChunkArgs& a, int which, int g, int nh) {
-  constexpr int64_t P = static_cast<int64_t>(Cfg::kHeadDim) * Cfg::kHeadDim;
-  const int64_t planes = static_cast<int64_t>(a.num_groups) * a.num_seqs * a.num_heads;
-  return a.workspace + which * planes * P + (static_cast<int64_t>(g) * a.num_seqs * a.num_heads + nh) * P;
+// Workspace slots per (which, n*H+h): group starts G - 1 and segment ends P - 1 of bg / rg,
+// at least G for sin (chunk groups above).
+__device__ __forceinline__ int workspace_slots(int groups, int segments) {
+  return groups + (segments > 1 ? segments - 2 : 0);
 }
+
+template <class Cfg>
+__device__ __forceinline__ float* group_plane(const ChunkArgs& a, int which, int slot, int nh) {
+  constexpr int64_t P = static_cast<int64_t>(Cfg::kHeadDim) * Cfg::kHeadDim;
+  const int64_t planes = static_cast<int64_t>(workspace_slots(a.num_groups, a.num_segments)) * a.num_seqs * a.num_heads;
+  return a.workspace + which * planes * P + (static_cast<int64_t>(slot) * a.num_seqs * a.num_heads + nh) * P;
+}
+
+// Where the groups of a sequence of nc chunks start and where pass one's segments run:
+// group g starts at chunk start_of_group(g) (g < G: spans of ceil(nc / G) chunks); pass one
+// covers the chunks before the last group's start, `cover`, in P segments of `pspan`
+// chunks, segment s from seg_start(s) to seg_end(s). A group start p > 0 belongs to the
+// segment it ends, (p - 1) / pspan (p = 0: segment 0).
+struct PassOneSegments {
+  int nc, G, P, span, cover, pspan;
+  __device__ __forceinline__ PassOneSegments(int nc_, int G_, int P_) : nc(nc_), G(G_), P(P_) {
+    span = max(1, (nc + G - 1) / G);
+    cover = min(nc, (G - 1) * span);
+    pspan = max(1, (cover + P - 1) / P);
+  }
+  __device__ __forceinline__ int start_of_group(int g) const { return min(nc, g * span); }
+  __device__ __forceinline__ int seg_start(int s) const { return min(cover, s * pspan); }
+  __device__ __forceinline__ int seg_end(int s) const { return min(cover, (s + 1) * pspan); }
+  __device__ __forceinline__ int segment_of(int p) const { return p == 0 ? 0 : (p - 1) / pspan; }
+};
 
 // The fp32 start state of (n, h): initial_state, the paged cache row, or zero.
 __device__ __forceinline__ const float* initial_plane(const ChunkArgs& a, int n, int h, int D) {
@@ -216,19 +250,21 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   using UBlock = TileAt<BV, Lay::LDU, kSwz, uint16_t>;        // u or v in, o out: C x BV
 
   const int H = a.num_heads, h = blockIdx.y;
-  // Pass one runs groups 0 .. G - 2 only: the last group's end state and transfer are
-  // never used (the scan needs them for the groups after it).
+  // Pass one walks its P segments, which cover the chunks before the last group's start
+  // (the last group's end state and transfer are never used).
   const int G = kMode == kWalkSingle ? 1 : a.num_groups;
-  const int GZ = kMode == kWalkPassOne ? G - 1 : G;  // groups in the grid's z
-  const int n = blockIdx.z / GZ, g = blockIdx.z % GZ;
+  const int GZ = kMode == kWalkPassOne ? a.num_segments : G;  // groups (pass one: segments) in the grid's z
+  const int n = blockIdx.z / GZ, g = blockIdx.z % GZ;         // (pass one: g is the segment)
   const int wave = wave_id();
   const int row0 = blockIdx.x * BV + RW * wave;  // this wave's first row (of V, or V + K in pass one)
   const int colw = RW * wave;  // ... its first column of the u / o tile
   const bool transfer = kMode == kWalkPassOne && blockIdx.x * BV >= D;
   const int bos = a.cu_seqlens[n], len = a.cu_seqlens[n + 1] - bos;
   const int cbase = a.chunk_offsets[n], nc = a.chunk_offsets[n + 1] - cbase;
-  const int span = max(1, (nc + G - 1) / G);
-  const int c0 = min(nc, g * span), c1 = min(nc, c0 + span);
+  const PassOneSegments seg(nc, G, a.num_segments);
+  const int span = seg.span;
+  const int c0 = kMode == kWalkPassOne ? seg.seg_start(g) : min(nc, g * span);
+  const int c1 = kMode == kWalkPassOne ? seg.seg_end(g) : min(nc, c0 + span);
   const int last_group = nc == 0 ? 0 : (nc - 1) / span;
   const int nh = n * H + h;
 
@@ -284,6 +320,25 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt)
       mma::for_each(St[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * kt + k] = -x; });
+  };
+
+  // Pass one: the first group start inside the segment (a group start p > 0 belongs to the
+  // segment it ends, PassOneSegments). The walk stops at each one before c1 and stores B and
+  // R there (slot g' - 1); those at c1 are stored after it.
+  int next_start = G;
+  if constexpr (kMode == kWalkPassOne) {
+    next_start = 1;
+    while (next_start < G && seg.segment_of(seg.start_of_group(next_start)) < g) ++next_start;
+  }
+  // The state (B, and R: the transfer rows) so far into bg / rg slot `slot`.
+  auto store_point = [&](int slot) {
+    if constexpr (kWg) {
+      wg::wait<0>();
+      wg::fence_operands(S);
+    }
+    if (transfer) store_state(S, group_plane<Cfg>(a, 1, slot, nh), row0 - D);  // (unpaired)
+    else store_state(S, group_plane<Cfg>(a, 0, slot, nh), row0);
+    if constexpr (kPaired) store_state(S1, group_plane<Cfg>(a, 1, slot, nh), row0);
   };
 
   const int ck_tokens = (kMode != kWalkPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;
@@ -388,7 +443,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
     }
   }
 
-  for (int c = c0; c < c1; ++c) {
+  int c = c0;
+  for (;;) {
+  // (pass one stops at each group start inside its segment: positions next_start x span)
+  const int stop = kMode == kWalkPassOne ? min(c1, next_start * span) : c1;
+  for (; c < stop; ++c) {
     const int t0 = bos + c * C;
     const int valid = min(C, len - c * C);
     const Stage st = stage_at(SG > 1 ? (c - c0) % SG : 0);
@@ -693,57 +752,98 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
       }
     }
   }
+  if (kMode != kWalkPassOne || c >= c1) break;
+  store_point(next_start - 1);  // pass one: B and R at a group start inside the segment
+  ++next_start;
+  }
 
   // ---- where the walk's end state goes ---------------------------------------------------
   if constexpr (kWg) {
     wg::wait<0>();  // the last chunk's state update
     wg::fence_operands(S);
   }
-  float* dst = nullptr;
-  int drow = row0;
   if constexpr (kMode == kWalkPassOne) {
-    dst = group_plane<Cfg>(a, transfer ? 1 : 0, g, nh);
-    if (transfer) drow = row0 - D;
-  } else if (kMode == kWalkSingle || g == last_group) {
-    dst = final_plane(a, n, h, D);
+    // the group starts at c1 (several where they clamp to nc; at 0 for a sequence with no
+    // chunks), then the segment's end where no group starts there
+    bool end_is_start = false;
+    for (; next_start < G && seg.segment_of(seg.start_of_group(next_start)) == g; ++next_start) {
+      store_point(next_start - 1);
+      end_is_start = seg.start_of_group(next_start) == c1;
+    }
+    if (g + 1 < a.num_segments && !end_is_start) store_point(G - 1 + g);
+    return;
   }
-  if (dst != nullptr) store_state(S, dst, drow);
-  if constexpr (kPaired) store_state(S1, group_plane<Cfg>(a, 1, g, nh), row0);
+  float* dst = nullptr;
+  if (kMode == kWalkSingle || g == last_group) dst = final_plane(a, n, h, D);
+  if (dst != nullptr) store_state(S, dst, row0);
   if constexpr (kPairV) {
-    if (dst != nullptr) store_state(S1, dst, drow + 16);
+    if (dst != nullptr) store_state(S1, dst, row0 + 16);
   }
 }
 
-// S_start(0) = the initial state; S_start(g + 1) = S_start(g) R_g + B_g. Writes every
-// group's start state into the sin planes. Block: kScanRows rows of one (n, h), their
-// running state in LDS (Sx). Only the state chains from group to group: the transfer
-// planes R_g stream through a ring of kScanStages LDS tiles of kScanTile rows each,
-// loaded ahead across the group boundaries (asynchronously where the target can), and
-// B_g's rows are read at the start of their group. Thread (rg, c4) owns columns
-// 4 c4 .. 4 c4 + 3 of rows rg + RG * m: a 16-byte read of R per k and one broadcast read
-// of Sx per row.
+// The scan's products of one sequence, in order: for each segment s, the group starts in
+// it (sin[g] = X_s R + B from bg / rg slot g - 1), then its end (X_{s+1} = X_s R + B: the
+// last group start there, or slot G - 1 + s). ScanItem packs the slot, the group whose
+// start it is (or -1) and whether it is X_{s+1}. At most G + P - 2 <= 254 items
+// (kdagen/groups.py keeps them so).
+constexpr int kMaxScanItems = 254;
+struct ScanItem {
+  int16_t slot, group;
+  bool next_x;
+};
+
+// Fills items (one thread) and returns their count.
+__device__ inline int scan_items(const PassOneSegments& seg, ScanItem* items) {
+  int count = 0, gs = 1;
+  for (int s = 0; s < seg.P; ++s) {
+    bool end_is_start = false;
+    for (; gs < seg.G && seg.segment_of(seg.start_of_group(gs)) == s; ++gs) {
+      end_is_start = seg.start_of_group(gs) == seg.seg_end(s);
+      items[count++] = ScanItem{static_cast<int16_t>(gs - 1), static_cast<int16_t>(gs), false};
+    }
+    if (s + 1 == seg.P) break;
+    if (end_is_start) items[count - 1].next_x = true;
+    else items[count++] = ScanItem{static_cast<int16_t>(seg.G - 1 + s), -1, true};
+  }
+  return count;
+}
+
+// S_start(0) = the initial state = X_0; then the items above. Writes every group's start
+// state into the sin planes. Block: kScanRows rows of one (n, h), X_s's rows in LDS (Sx).
+// Only X chains from segment to segment: the transfer planes R stream through a ring of
+// kScanStages LDS tiles of kScanTile rows each, loaded ahead across the items
+// (asynchronously where the target can), and B's rows are read at the start of their
+// item. Thread (rg, c4) owns columns 4 c4 .. 4 c4 + 3 of rows rg + RG * m: a 16-byte read
+// of R per k and one broadcast read of Sx per row.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs a) {
   constexpr int D = Cfg::kHeadDim, ROWS = Cfg::kScanRows, NT = Cfg::kScanThreads;
   constexpr int KP = Cfg::kScanTile, NS = Cfg::kScanStages;
   constexpr int CG = D / 4, RG = NT / CG, RPT = ROWS / RG;  // column groups, row groups, rows per thread
-  constexpr int TPG = D / KP, PIECES = KP * D / 4;          // tiles per group, 16-byte pieces per tile
+  constexpr int TPG = D / KP, PIECES = KP * D / 4;          // tiles per item, 16-byte pieces per tile
   static_assert(NT % CG == 0 && ROWS % RG == 0 && D % KP == 0 && PIECES % NT == 0 && NS >= 2,
                 "scan threads must tile the rows and the R tiles");
   __shared__ __align__(16) float Rs[NS][KP][D];
   __shared__ __align__(16) float Sx[ROWS][D];
+  __shared__ ScanItem items[kMaxScanItems];
+  __shared__ int num_items;
   const int h = blockIdx.y, n = blockIdx.z, nh = n * a.num_heads + h;
   const int v0 = blockIdx.x * ROWS;
   const int tid = threadIdx.x, c4 = tid % CG, rg = tid / CG;
-  const int G = a.num_groups, tiles = (G - 1) * TPG;
+  if (tid == 0) {
+    const PassOneSegments seg(a.chunk_offsets[n + 1] - a.chunk_offsets[n], a.num_groups, a.num_segments);
+    num_items = scan_items(seg, items);
+  }
+  __syncthreads();
+  const int tiles = num_items * TPG;
   auto row_of = [&](int m) { return rg + RG * m; };
   auto plane_row = [&](float* plane, int m) {
     return reinterpret_cast<float4*>(plane + static_cast<int64_t>(v0 + row_of(m)) * D + 4 * c4);
   };
-  // tile i: rows (i % TPG) * KP .. + KP - 1 of R_(i / TPG), into slot i % NS
+  // tile i: rows (i % TPG) * KP .. + KP - 1 of item i / TPG's R, into slot i % NS
   auto load_tile = [&](int i) {
     if (i < tiles) {
-      const float* src = group_plane<Cfg>(a, 1, i / TPG, nh) + (i % TPG) * KP * D;
+      const float* src = group_plane<Cfg>(a, 1, items[i / TPG].slot, nh) + (i % TPG) * KP * D;
 #pragma unroll
       for (int j = 0; j < PIECES / NT; ++j) {
         const int e = tid + j * NT;
@@ -764,22 +864,19 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
       const float* x = init + static_cast<int64_t>(v0 + row_of(m)) * D + 4 * c4;
       acc[m] = make_float4(x[0], x[1], x[2], x[3]);
     }
+    *plane_row(group_plane<Cfg>(a, 2, 0, nh), m) = acc[m];
+    *reinterpret_cast<float4*>(&Sx[row_of(m)][4 * c4]) = acc[m];
   }
-  for (int g = 0;; ++g) {
+  for (int it = 0; it < num_items; ++it) {
+    const ScanItem item = items[it];
+    float4 b[RPT];  // B's rows, in flight during the products
 #pragma unroll
     for (int m = 0; m < RPT; ++m) {
-      *plane_row(group_plane<Cfg>(a, 2, g, nh), m) = acc[m];
-      *reinterpret_cast<float4*>(&Sx[row_of(m)][4 * c4]) = acc[m];
-    }
-    if (g + 1 == G) break;
-    float4 b[RPT];  // B_g's rows, in flight during the products
-#pragma unroll
-    for (int m = 0; m < RPT; ++m) {
-      b[m] = *plane_row(group_plane<Cfg>(a, 0, g, nh), m);
+      b[m] = *plane_row(group_plane<Cfg>(a, 0, item.slot, nh), m);
       acc[m] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     for (int q = 0; q < TPG; ++q) {
-      const int i = g * TPG + q;
+      const int i = it * TPG + q;
       async::wait<NS - 2>();  // this thread's pieces of tile i have landed
       __syncthreads();        // everyone's have, Sx is written, and slot (i - 1) % NS is free
       load_tile(i + NS - 1);
@@ -803,8 +900,13 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
       acc[m].y += b[m].y;
       acc[m].z += b[m].z;
       acc[m].w += b[m].w;
+      if (item.group >= 0) *plane_row(group_plane<Cfg>(a, 2, item.group, nh), m) = acc[m];
     }
-    __syncthreads();  // every read of this group's Sx is done
+    if (item.next_x) {
+      __syncthreads();  // every read of X_s in Sx is done
+#pragma unroll
+      for (int m = 0; m < RPT; ++m) *reinterpret_cast<float4*>(&Sx[row_of(m)][4 * c4]) = acc[m];
+    }
   }
 }
 

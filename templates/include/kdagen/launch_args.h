@@ -68,6 +68,7 @@ struct ChunkArgs {
   const int32_t* checkpoint_state_indices;  // [N] or nullptr (then row = sequence)
   float* workspace;              // chunk groups: bg | rg | sin, see chunk.h
   int32_t num_seqs, num_heads, num_groups, num_slots, num_checkpoint_rows;
+  int32_t num_segments;          // pass one's segments per sequence, 1 .. num_groups - 1
   float scale;
 };
 
