@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-# Chunk groups an op takes: the group scan keeps a table of G + P - 2 <= 253 products per
-# sequence (chunk.h kMaxScanItems, P <= G - 1 segments).
+# Chunk groups an op takes: a group-scan block keeps a table of at most P - 1 + G - 1 <= 253
+# products (chunk.h kMaxScanItems, P <= G - 1 segments).
 MAX_OP_GROUPS = 128
 
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -1,7 +1,8 @@
 """Run every op once on small varlen inputs with partial chunks, for compute-sanitizer
 (memcheck, racecheck, synccheck): recurrent, prologue (with and without the fused conv),
 chunk with 1 and 4 groups, paged cache, checkpoints; the deferred form (the prologue's akk,
-the scan forming u from a strided v) at c64 and c16; the lower-bounded gate's prologue
+the scan forming u from a strided v) at c64 and c16, with 4 groups also in 2 and 1 pass-one
+segments; the lower-bounded gate's prologue
 (diagonal blocks on the matrix units) and chunk with 1 and 3 groups."""
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ def main() -> None:
     v.copy_(x.v)
     for k, lbd in ((kern, None), (c16, -5.0)):
         d = k.fused_kda_prologue(*x.args(), None, lbd, x.cu_seqlens, defer_u=True)
-        for groups in (1, 4):
+        for groups, segments in ((1, None), (4, None), (4, 2), (4, 1)):  # (pass one's segments)
             k.fused_kda_chunk(d["qg"], d["w"], v, d["kg_t"], d["aqk"], d["decay"],
                               torch.empty_like(d["w"]), None, x.cu_seqlens, None, True,
-                              groups=groups, akk=d["akk"])
+                              groups=groups, segments=segments, akk=d["akk"])
     # the lower-bounded gate: diagonal blocks on the matrix units
     lb = kdagen.load({"head_dim": 128, "gate": "lower_bound", "target": t})
     z = make_inputs([1, 63, 64, 65, 300], H, 128, gate="lower_bound", seed=2)

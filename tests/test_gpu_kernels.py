@@ -234,15 +234,19 @@ def test_every_group_count_matches_single_walk(record):
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens,
                                                   initial_state=init)
     assert rel_err(base_o, o_ref) < BF16_TOL
-    for g in (2, 3, 4, 5, 8, 16, 32):
+    # (segments: pass one's, the heuristic's (None), one per group (0), fewer that end
+    # between group starts)
+    for g, seg in ((2, None), (3, None), (4, None), (5, None), (8, None), (8, 0), (8, 3), (16, None),
+                   (16, 5), (32, None), (32, 1)):
+        o = torch.full_like(p["u"], float("nan"))
         o, s = kern.fused_kda_chunk(*(p[k] for k in ("qg", "w", "u", "kg_t", "aqk", "decay")),
-                                    torch.empty_like(p["u"]), None, x.cu_seqlens, init, True, groups=g)
-        record(groups=g, out_vs_single=rel_err(o, base_o), state_vs_single=rel_err(s, base_s),
+                                    o, None, x.cu_seqlens, init, True, groups=g, segments=seg)
+        record(groups=g, segments=seg, out_vs_single=rel_err(o, base_o), state_vs_single=rel_err(s, base_s),
                out_vs_ref=rel_err(o, o_ref), state_vs_ref=rel_err(s, s_ref))
-        assert rel_err(o, base_o) < 1e-2, g
-        assert rel_err(s, base_s) < 1e-2, g
-        assert rel_err(o, o_ref) < BF16_TOL, g
-        assert rel_err(s, s_ref) < BF16_TOL, g
+        assert rel_err(o, base_o) < 1e-2, (g, seg)
+        assert rel_err(s, base_s) < 1e-2, (g, seg)
+        assert rel_err(o, o_ref) < BF16_TOL, (g, seg)
+        assert rel_err(s, s_ref) < BF16_TOL, (g, seg)
 
 
 # ---- paged state cache and checkpoints --------------------------------------------------------

@@ -781,40 +781,46 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   }
 }
 
-// The scan's products of one sequence, in order: for each segment s, the group starts in
-// it (sin[g] = X_s R + B from bg / rg slot g - 1), then its end (X_{s+1} = X_s R + B: the
-// last group start there, or slot G - 1 + s). ScanItem packs the slot, the group whose
-// start it is (or -1) and whether it is X_{s+1}. At most G + P - 2 <= 254 items
-// (kdagen/groups.py keeps them so).
+// The scan's products for the group starts of segment `target` of one sequence, in order:
+// first the chain X_0 -> X_target, one product per earlier segment s (X_{s+1} = X_s R + B
+// at its end: the last group start there, bg / rg slot g - 1, or slot G - 1 + s), then
+// the group starts in segment `target` (sin[g] = X_target R + B from slot g - 1). Each
+// segment's block walks the chain again, so the longest is P - 1 products plus its
+// segment's starts, not all G + P - 2 in one chain. ScanItem packs the slot, the group
+// whose start it is (or -1 on the chain) and whether it is X_{s+1}. At most
+// P - 1 + G - 1 <= 254 items (kdagen/checks.py keeps them so).
 constexpr int kMaxScanItems = 254;
 struct ScanItem {
   int16_t slot, group;
   bool next_x;
 };
 
-// Fills items (one thread) and returns their count.
-__device__ inline int scan_items(const PassOneSegments& seg, ScanItem* items) {
-  int count = 0, gs = 1;
-  for (int s = 0; s < seg.P; ++s) {
+// Fills items (one thread) and returns their count (0 where the segment holds no group
+// start: nothing to write).
+__device__ inline int scan_items(const PassOneSegments& seg, int target, ScanItem* items) {
+  int count = 0, starts = 0, gs = 1;
+  for (int s = 0; s <= target; ++s) {
     bool end_is_start = false;
     for (; gs < seg.G && seg.segment_of(seg.start_of_group(gs)) == s; ++gs) {
       end_is_start = seg.start_of_group(gs) == seg.seg_end(s);
-      items[count++] = ScanItem{static_cast<int16_t>(gs - 1), static_cast<int16_t>(gs), false};
+      if (s == target) {
+        items[count++] = ScanItem{static_cast<int16_t>(gs - 1), static_cast<int16_t>(gs), false};
+        ++starts;
+      }
     }
-    if (s + 1 == seg.P) break;
-    if (end_is_start) items[count - 1].next_x = true;
-    else items[count++] = ScanItem{static_cast<int16_t>(seg.G - 1 + s), -1, true};
+    if (s == target) break;
+    items[count++] = ScanItem{static_cast<int16_t>(end_is_start ? gs - 2 : seg.G - 1 + s), -1, true};
   }
-  return count;
+  return starts > 0 ? count : 0;
 }
 
-// S_start(0) = the initial state = X_0; then the items above. Writes every group's start
-// state into the sin planes. Block: kScanRows rows of one (n, h), X_s's rows in LDS (Sx).
-// Only X chains from segment to segment: the transfer planes R stream through a ring of
-// kScanStages LDS tiles of kScanTile rows each, loaded ahead across the items
-// (asynchronously where the target can), and B's rows are read at the start of their
-// item. Thread (rg, c4) owns columns 4 c4 .. 4 c4 + 3 of rows rg + RG * m: a 16-byte read
-// of R per k and one broadcast read of Sx per row.
+// S_start(0) = the initial state = X_0; then the items above. Writes the start states of
+// one segment's groups into the sin planes (segment 0's block also group 0's). Block:
+// kScanRows rows of one (n, h) and one segment, X_s's rows in LDS (Sx). The transfer
+// planes R stream through a ring of kScanStages LDS tiles of kScanTile rows each, loaded
+// ahead across the items (asynchronously where the target can), and B's rows are read at
+// the start of their item. Thread (rg, c4) owns columns 4 c4 .. 4 c4 + 3 of rows
+// rg + RG * m: a 16-byte read of R per k and one broadcast read of Sx per row.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs a) {
   constexpr int D = Cfg::kHeadDim, ROWS = Cfg::kScanRows, NT = Cfg::kScanThreads;
@@ -827,12 +833,12 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
   __shared__ __align__(16) float Sx[ROWS][D];
   __shared__ ScanItem items[kMaxScanItems];
   __shared__ int num_items;
-  const int h = blockIdx.y, n = blockIdx.z, nh = n * a.num_heads + h;
-  const int v0 = blockIdx.x * ROWS;
+  const int h = blockIdx.y, n = blockIdx.z / a.num_segments, target = blockIdx.z % a.num_segments;
+  const int nh = n * a.num_heads + h, v0 = blockIdx.x * ROWS;
   const int tid = threadIdx.x, c4 = tid % CG, rg = tid / CG;
   if (tid == 0) {
     const PassOneSegments seg(a.chunk_offsets[n + 1] - a.chunk_offsets[n], a.num_groups, a.num_segments);
-    num_items = scan_items(seg, items);
+    num_items = scan_items(seg, target, items);
   }
   __syncthreads();
   const int tiles = num_items * TPG;
@@ -864,7 +870,7 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
       const float* x = init + static_cast<int64_t>(v0 + row_of(m)) * D + 4 * c4;
       acc[m] = make_float4(x[0], x[1], x[2], x[3]);
     }
-    *plane_row(group_plane<Cfg>(a, 2, 0, nh), m) = acc[m];
+    if (target == 0) *plane_row(group_plane<Cfg>(a, 2, 0, nh), m) = acc[m];
     *reinterpret_cast<float4*>(&Sx[row_of(m)][4 * c4]) = acc[m];
   }
   for (int it = 0; it < num_items; ++it) {
