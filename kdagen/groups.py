@@ -81,13 +81,21 @@ def groups_for_spec(spec, chunks_per_seq: int, num_seqs: int, num_heads: int, nu
                         pass_two_blocks=D // bv, resident=chunk_plan_for(spec).min_blocks)
 
 
+# Pass one in segments that end between group starts stops at each group start inside
+# them: measured on the H200 (c16, session 18) +5% per chunk step against one segment per
+# group at the same work (1x32768x32: 0.532 -> 0.561 ms) and G + P - 2 scan products in
+# place of G - 1. So segments are taken only where they save at least SEGMENT_GAIN of pass
+# one's chunk steps (1x32768x32: two batches of 256 chunks -> one of 448, 0.532 -> 0.493 ms).
+SEGMENT_GAIN = 0.10
+
+
 def pass_one_segments(groups: int, num_seqs: int, num_heads: int, num_cus: int, *,
                       pass_one_blocks: int, resident: int = 1) -> int:
     """Pass one's segments per sequence for ``groups`` groups (0 where there is no pass
-    one): the count P in 1 .. groups - 1 whose blocks take the fewest chunks end to end,
-    batches x (chunks / P) with batches = ceil(P x blocks / slots), the smaller P on a tie
-    (fewer products in the scan). ``KDAGEN_SEGMENTS`` forces one (clamped; 0: one per
-    group)."""
+    one): groups - 1 (one per group), or the count P whose blocks take the fewest chunk
+    steps end to end, batches x (chunks / P) with batches = ceil(P x blocks / slots), where
+    that saves SEGMENT_GAIN of one per group's (the smaller P on a tie: fewer scan
+    products). ``KDAGEN_SEGMENTS`` forces one (clamped; 0: one per group)."""
     if groups <= 1:
         return 0
     top = groups - 1
@@ -96,12 +104,9 @@ def pass_one_segments(groups: int, num_seqs: int, num_heads: int, num_cus: int, 
         return top if int(forced) < 1 else min(int(forced), top)
     per_seg = pass_one_blocks * max(num_seqs * num_heads, 1)
     slots = num_cus * max(resident, 1)
-    best, best_cost = top, None
-    for p in range(1, top + 1):
-        cost = -(-p * per_seg // slots) / p
-        if best_cost is None or cost < best_cost - 1e-12:
-            best, best_cost = p, cost
-    return best
+    steps = lambda p: -(-p * per_seg // slots) / p  # noqa: E731  (in units of the chunks before the last group)
+    best = min(range(1, top + 1), key=lambda p: (steps(p), p))
+    return best if steps(best) <= (1.0 - SEGMENT_GAIN) * steps(top) else top
 
 
 def segments_of(groups: int, segments: int) -> int:
@@ -112,9 +117,10 @@ def segments_of(groups: int, segments: int) -> int:
 
 def workspace_floats(groups: int, nh: int, head_dim: int, segments: int = 0) -> int:
     """bg [Q][NH][V][K] | rg [Q][NH][K][K] | sin [Q][NH][V][K], fp32, Q = G + P - 2 slots
-    for P >= 2 segments, else G (chunk.h's workspace_slots)."""
+    for 2 <= P < G - 1 segments (their ends between group starts), else G (chunk.h's
+    workspace_slots)."""
     p = segments_of(groups, segments)
-    slots = groups + (p - 2 if p > 1 else 0)
+    slots = groups + p - 2 if 1 < p < groups - 1 else groups
     return 3 * slots * nh * head_dim * head_dim
 
 

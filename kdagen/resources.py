@@ -26,6 +26,10 @@ SCAN_THREADS = 256
 # within CDNA's 64 KB of LDS and the 48 KB of static shared memory of NVIDIA's.
 SCAN_STAGES = 4
 SCAN_TILE_BYTES = 8192
+SCAN_ROWS = 16  # state rows per group-scan block at head dims <= 128 (8 at 256)
+# The scan's table of products per sequence (chunk.h ScanItem: 6 bytes, kMaxScanItems) and
+# its count, in static shared memory beside the ring and the rows.
+SCAN_TABLE_BYTES = 6 * 254 + 4
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,13 @@ class ScanPlan:
     stages: int
 
     def shared_bytes(self, head_dim: int) -> int:
-        return 4 * head_dim * (self.stages * self.tile + self.rows)
+        return 4 * head_dim * (self.stages * self.tile + self.rows) + SCAN_TABLE_BYTES
 
 
 def scan_plan(head_dim: int) -> ScanPlan:
     """16 state rows per block (8 at D = 256, so its 16 KB of rows stay small), and ring
     tiles of SCAN_TILE_BYTES: 32 rows of R at D = 64, 16 at 128, 8 at 256."""
-    return ScanPlan(rows=16 if head_dim <= 128 else 8, tile=SCAN_TILE_BYTES // (4 * head_dim),
+    return ScanPlan(rows=SCAN_ROWS if head_dim <= 128 else 8, tile=SCAN_TILE_BYTES // (4 * head_dim),
                     stages=SCAN_STAGES)
 # Most fp32 state values one lane may hold across the chunk walk.
 MAX_STATE_REGS_PER_LANE = 64

@@ -998,18 +998,18 @@ def workspace_slots(call) -> int:
     """The workspace slots a chunk call's groups and segments (argument 21) take."""
     g, p = call[13], segments_of(call[13], call[21])
     assert 1 <= p <= g - 1
-    return g + max(p - 2, 0)
+    return g + p - 2 if 1 < p < g - 1 else g
 
 
 def test_chunk_groups_kwarg(gpu):
     kern, fake = make_kernels()
     run_ok(kern.fused_kda_chunk, fake, dict(chunk_args(), groups=5))
     assert fake.calls[0][13] == 5 and fake.calls[0][12].numel() == 3 * workspace_slots(fake.calls[0]) * N * PH * D * D
-    for segments in (1, 2, 4):
+    for segments, slots in ((1, 5), (2, 5), (3, 6), (4, 5)):
         fake.calls.clear()
         run_ok(kern.fused_kda_chunk, fake, dict(chunk_args(), groups=5, segments=segments))
         assert fake.calls[0][21] == segments
-        assert fake.calls[0][12].numel() == 3 * (5 + max(segments - 2, 0)) * N * PH * D * D
+        assert fake.calls[0][12].numel() == 3 * slots * N * PH * D * D
     for bad in (5, -1):
         with pytest.raises(ArgumentError, match="segments"):
             kern.fused_kda_chunk(**dict(chunk_args(), groups=5, segments=bad))
@@ -1171,20 +1171,22 @@ def test_chunk_groups_env(monkeypatch, forced, want):
 def test_group_workspace():
     assert group_workspace(1, 16, 64, torch.device("cpu")) is None
     assert group_workspace(0, 16, 64, torch.device("cpu")) is None
-    ws = group_workspace(4, 6, 64, torch.device("cpu"))  # 3 segments: 4 + 1 slots
-    assert ws.dtype == F32 and ws.numel() == 3 * 5 * 6 * 64 * 64
-    for segments, slots in ((1, 4), (2, 4), (3, 5)):
-        ws = group_workspace(4, 6, 64, torch.device("cpu"), segments=segments)
-        assert ws.numel() == 3 * slots * 6 * 64 * 64, segments
+    ws = group_workspace(4, 6, 64, torch.device("cpu"))  # one segment per group: 4 slots
+    assert ws.dtype == F32 and ws.numel() == 3 * 4 * 6 * 64 * 64
+    for groups, segments, slots in ((4, 1, 4), (4, 2, 4), (4, 3, 4), (8, 3, 9), (8, 6, 12), (8, 7, 8)):
+        ws = group_workspace(groups, 6, 64, torch.device("cpu"), segments=segments)
+        assert ws.numel() == 3 * slots * 6 * 64 * 64, (groups, segments)
 
 
 def test_pass_one_segments_fill_the_compute_units_once(monkeypatch):
     two = dict(pass_one_blocks=2, resident=2)  # d128 / bv128, c16: 264 slots on 132 SMs
     assert pass_one_segments(1, 8, 32, 132, **two) == 0  # the single walk has no pass one
     assert pass_one_segments(8, 1, 32, 132, **two) == 4  # 1x32768x32: 128 blocks, not 224
-    assert pass_one_segments(32, 1, 8, 132, **two) == 16  # 1x131072x8: 128, not 248
+    # 1x131072x8: 16 segments would save 3% of the chunk steps (one batch of 496 chunks
+    # against two of 256), under SEGMENT_GAIN: one per group
+    assert pass_one_segments(32, 1, 8, 132, **two) == 31
     assert pass_one_segments(4, 1, 32, 132, **two) == 3  # 1x2048x32: one per group fits
-    assert pass_one_segments(8, 4, 64, 132, **two) == 1  # two batches at any count: the fewest
+    assert pass_one_segments(8, 4, 64, 132, **two) == 7  # two batches at any count
     for forced, want in (("2", 2), ("99", 7), ("0", 7)):  # 0: one per group
         monkeypatch.setenv("KDAGEN_SEGMENTS", forced)
         assert pass_one_segments(8, 1, 32, 132, **two) == want

@@ -509,10 +509,11 @@ def test_check_generated_on_a_missing_root(tmp_path):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_scan_plan_fits_lds_and_tiles_the_block(head_dim):
-    """The group scan's ring and state rows within 40 KB (CDNA: 64 KB of LDS; NVIDIA: 48 KB
-    of static shared memory), its 256 threads tiling the rows and every R tile."""
+    """The group scan's ring, state rows and table of products within 42 KB (CDNA: 64 KB of
+    LDS; NVIDIA: 48 KB of static shared memory), its 256 threads tiling the rows and every R
+    tile."""
     plan = resources.scan_plan(head_dim)
-    assert plan.shared_bytes(head_dim) <= 40 * 1024
+    assert plan.shared_bytes(head_dim) <= 42 * 1024
     column_groups = head_dim // 4
     row_groups = resources.SCAN_THREADS // column_groups
     assert plan.rows % row_groups == 0 and head_dim % plan.tile == 0

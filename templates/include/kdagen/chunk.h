@@ -18,12 +18,12 @@
 //
 // Chunk groups (DESIGN 2): the walk is affine, S_{c+1} = M_c S_c + kg_c^T u_c. Pass two
 // cuts a sequence into G groups; pass one walks the chunks before the last group's start
-// in P segments of their own (num_segments, 1 <= P <= G - 1: as many as fill the compute
-// units once, PassOneSegments), which need not end where groups start.
-//   pass one  (kMode 1): per segment, from the segment's start, the zero-start state B
-//             (rows < V) and the transfer R = A^T (rows V..V+K, started from the
-//             identity, u = 0), stored at every group start inside the segment and at the
-//             segment's end.
+// in P segments (num_segments, 1 <= P <= G - 1, kdagen/groups.py): one per group, or fewer
+// that fill the compute units once and end between group starts (PassOneSegments).
+//   pass one  (kMode 1, one per group; kMode 3, segments): per segment, from its start,
+//             the zero-start state B (rows < V) and the transfer R = A^T (rows V..V+K,
+//             started from the identity, u = 0), stored at every group start inside the
+//             segment and at the segment's end.
 //   scan      (group_scan_kernel): with X_s the true state at segment s's start,
 //             S_start(g) = X_s R + B for the group starts in segment s, and
 //             X_{s+1} = X_s R + B at its end; in fp32.
@@ -32,7 +32,7 @@
 //   bg [Q][N*H][V][K] | rg [Q][N*H][K][K] | sin [Q][N*H][V][K]
 // bg / rg slot g - 1 holds group g's start (g = 1 .. G - 1), slot G - 1 + s segment s's
 // end where no group starts there; sin slot g group g's true start. Q = G + P - 2 (G for
-// P = 1): workspace_slots.
+// P = 1 and for P = G - 1, one segment per group: kWalkPassOne): workspace_slots.
 //
 // u from v (kAkk): the prologue may leave u = (I + L)^-1 Diag(b) v unformed and store
 // akk = (I + L)^-1 Diag(b) (C x C per chunk) instead; the walk then reads the raw v rows
@@ -74,7 +74,11 @@ struct ChunkLayout {
   static_assert(!kWg || LDW == D, "warpgroup products read the w and qg tiles as one 2C-row tile");
 };
 
-enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2 };
+// kWalkPassOneSegments: pass one in segments that end between group starts (num_segments
+// < num_groups - 1); kWalkPassOne: one segment per group, each block one group's walk.
+enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2, kWalkPassOneSegments = 3 };
+template <int kMode>
+constexpr bool kIsPassOne = kMode == kWalkPassOne || kMode == kWalkPassOneSegments;
 
 // Index of element (r, c) of an LDS tile W columns wide: rows padded to LD, or (kSwz)
 // unpadded with their 16-byte pieces swizzled.
@@ -145,7 +149,7 @@ __device__ __forceinline__ void copy_operand(uint16_t* dst, const uint16_t* src,
 // Workspace slots per (which, n*H+h): group starts G - 1 and segment ends P - 1 of bg / rg,
 // at least G for sin (chunk groups above).
 __device__ __forceinline__ int workspace_slots(int groups, int segments) {
-  return groups + (segments > 1 ? segments - 2 : 0);
+  return segments > 1 && segments < groups - 1 ? groups + segments - 2 : groups;
 }
 
 template <class Cfg>
@@ -203,21 +207,22 @@ __device__ __forceinline__ float* final_plane(const ChunkArgs& a, int n, int h, 
 // twice the state registers (128 per lane on wave32) and runs alone on its compute unit
 // (launch bound 1): the same state rows per unit as two unpaired blocks.
 template <class Cfg, int kMode>
-constexpr bool kPairedWalk = kMode == kWalkPassOne && Cfg::kPassOnePaired;
+constexpr bool kPairedWalk = kIsPassOne<kMode> && Cfg::kPassOnePaired;
 
 // Cfg::kWalkPaired: the walks with outputs (single, pass two) give each wave two 16-row
 // tiles of V, rows row0 .. row0 + 31 (S and S1): the w, qg, kg_t, aqk and akk fragments
 // and the decay are read once for both, in blocks of half the waves (the two tiles' state
 // takes 128 registers a lane on wave32).
 template <class Cfg, int kMode>
-constexpr bool kPairedRows = kMode != kWalkPassOne && Cfg::kWalkPaired;
+constexpr bool kPairedRows = !kIsPassOne<kMode> && Cfg::kWalkPaired;
 
 template <class Cfg, int kMode, bool kAkk = false>
 __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<Cfg, kMode>>::kThreads),
                                      (kPairedWalk<Cfg, kMode> ? 1 : Cfg::kChunkMinBlocks)) chunk_kernel(ChunkArgs a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
-  constexpr bool kOutputs = kMode != kWalkPassOne;
+  constexpr bool kPassOne = kIsPassOne<kMode>, kSegments = kMode == kWalkPassOneSegments;
+  constexpr bool kOutputs = !kPassOne;
   constexpr bool kPairV = kPairedRows<Cfg, kMode>;  // two tiles of V rows per wave
   using Lay = ChunkLayout<Cfg, kOutputs, kAkk, kPairV>;
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
@@ -253,18 +258,18 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   // Pass one walks its P segments, which cover the chunks before the last group's start
   // (the last group's end state and transfer are never used).
   const int G = kMode == kWalkSingle ? 1 : a.num_groups;
-  const int GZ = kMode == kWalkPassOne ? a.num_segments : G;  // groups (pass one: segments) in the grid's z
+  const int GZ = kPassOne ? a.num_segments : G;  // groups (pass one: segments) in the grid's z
   const int n = blockIdx.z / GZ, g = blockIdx.z % GZ;         // (pass one: g is the segment)
   const int wave = wave_id();
   const int row0 = blockIdx.x * BV + RW * wave;  // this wave's first row (of V, or V + K in pass one)
   const int colw = RW * wave;  // ... its first column of the u / o tile
-  const bool transfer = kMode == kWalkPassOne && blockIdx.x * BV >= D;
+  const bool transfer = kPassOne && blockIdx.x * BV >= D;
   const int bos = a.cu_seqlens[n], len = a.cu_seqlens[n + 1] - bos;
   const int cbase = a.chunk_offsets[n], nc = a.chunk_offsets[n + 1] - cbase;
   const PassOneSegments seg(nc, G, a.num_segments);
   const int span = seg.span;
-  const int c0 = kMode == kWalkPassOne ? seg.seg_start(g) : min(nc, g * span);
-  const int c1 = kMode == kWalkPassOne ? seg.seg_end(g) : min(nc, c0 + span);
+  const int c0 = kSegments ? seg.seg_start(g) : min(nc, g * span);
+  const int c1 = kSegments ? seg.seg_end(g) : min(nc, c0 + span);
   const int last_group = nc == 0 ? 0 : (nc - 1) / span;
   const int nh = n * H + h;
 
@@ -326,7 +331,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   // segment it ends, PassOneSegments). The walk stops at each one before c1 and stores B and
   // R there (slot g' - 1); those at c1 are stored after it.
   int next_start = G;
-  if constexpr (kMode == kWalkPassOne) {
+  if constexpr (kSegments) {
     next_start = 1;
     while (next_start < G && seg.segment_of(seg.start_of_group(next_start)) < g) ++next_start;
   }
@@ -336,12 +341,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
       wg::wait<0>();
       wg::fence_operands(S);
     }
-    if (transfer) store_state(S, group_plane<Cfg>(a, 1, slot, nh), row0 - D);  // (unpaired)
-    else store_state(S, group_plane<Cfg>(a, 0, slot, nh), row0);
+    store_state(S, group_plane<Cfg>(a, transfer ? 1 : 0, slot, nh), transfer ? row0 - D : row0);  // (transfer: unpaired)
     if constexpr (kPaired) store_state(S1, group_plane<Cfg>(a, 1, slot, nh), row0);
   };
 
-  const int ck_tokens = (kMode != kWalkPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;
+  const int ck_tokens = (!kPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;
   const int64_t row_hd = static_cast<int64_t>(H) * D, row_hc = static_cast<int64_t>(H) * C;
   const int ld_hd = H * D, ld_hc = H * C;  // the same row strides, for offsets inside a chunk
   // u, or the raw v with akk: its own token / head strides (a view of a fused projection)
@@ -378,7 +382,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
       const bool in = pr < valid;
       const int64_t o = next_hd + (in ? p_off : pc);  // zero-filled from row 0
       async::copy16(st.Ws + p_dst, static_cast<const uint16_t*>(a.w) + o, in);
-      if constexpr (kMode != kWalkPassOne) {
+      if constexpr (!kPassOne) {
         async::copy16(st.Qs + p_dst, static_cast<const uint16_t*>(a.qg) + o, in);
         if (tid < C * C / 8) {
           const bool ain = ar < valid;
@@ -406,7 +410,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
     }
     const uint16_t* kg_src = static_cast<const uint16_t*>(a.kg_t) + next_ch * C;  // kg_t [chunk][H][D][C]
     copy_operand<kWg, C, D, LDW, NT, kSwz>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
-    if constexpr (kMode != kWalkPassOne) {
+    if constexpr (!kPassOne) {
       copy_operand<kWg, C, D, LDW, NT, kSwz>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
       copy_operand<kWg, C, C, LDC, NT, kSwz>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
     }
@@ -446,7 +450,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   int c = c0;
   for (;;) {
   // (pass one stops at each group start inside its segment: positions next_start x span)
-  const int stop = kMode == kWalkPassOne ? min(c1, next_start * span) : c1;
+  const int stop = kSegments ? min(c1, next_start * span) : c1;
   for (; c < stop; ++c) {
     const int t0 = bos + c * C;
     const int valid = min(C, len - c * C);
@@ -663,7 +667,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
           const mma::Frag wb = mma::load_b_smem_at(WBlock{Ws, 16 * ct, 16 * kt});
           mma::mma<Io>(vn[ct], s, wb);
           if constexpr (kTwo) mma::mma<Io>(vn1[kTwo ? ct : 0], s1, wb);
-          if constexpr (kMode != kWalkPassOne) {
+          if constexpr (!kPassOne) {
             const mma::Frag qb = mma::load_b_smem_at(WBlock{Qs, 16 * ct, 16 * kt});
             mma::mma<Io>(o[ct], s, qb);
             if constexpr (kPairV) mma::mma<Io>(o1[kPairV ? ct : 0], s1, qb);
@@ -685,7 +689,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
       }
 
       // ---- o^T = -scale (-S^T qg^T) + v_new^T aqk^T (aqk is lower triangular by blocks) -----
-      if constexpr (kMode != kWalkPassOne) {
+      if constexpr (!kPassOne) {
         // (per tile: o^T scaled, plus v_new^T aqk^T, staged and stored; out_o writes o
         // element by element where u / o do not go through LDS)
         auto out_o = [&](mma::Acc& oc, int ci, int t) {
@@ -752,7 +756,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
       }
     }
   }
-  if (kMode != kWalkPassOne || c >= c1) break;
+  if (!kSegments || c >= c1) break;
   store_point(next_start - 1);  // pass one: B and R at a group start inside the segment
   ++next_start;
   }
@@ -762,7 +766,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
     wg::wait<0>();  // the last chunk's state update
     wg::fence_operands(S);
   }
-  if constexpr (kMode == kWalkPassOne) {
+  if constexpr (kMode == kWalkPassOne) {  // group g's end: group g + 1's start, slot g
+    store_point(g);
+    return;
+  }
+  if constexpr (kSegments) {
     // the group starts at c1 (several where they clamp to nc; at 0 for a sequence with no
     // chunks), then the segment's end where no group starts there
     bool end_is_start = false;
@@ -781,46 +789,45 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   }
 }
 
-// The scan's products for the group starts of segment `target` of one sequence, in order:
-// first the chain X_0 -> X_target, one product per earlier segment s (X_{s+1} = X_s R + B
-// at its end: the last group start there, bg / rg slot g - 1, or slot G - 1 + s), then
-// the group starts in segment `target` (sin[g] = X_target R + B from slot g - 1). Each
-// segment's block walks the chain again, so the longest is P - 1 products plus its
-// segment's starts, not all G + P - 2 in one chain. ScanItem packs the slot, the group
-// whose start it is (or -1 on the chain) and whether it is X_{s+1}. At most
-// P - 1 + G - 1 <= 254 items (kdagen/checks.py keeps them so).
+// The scan's products of one sequence, in order: for each segment s, the group starts in
+// it (sin[g] = X_s R + B from bg / rg slot g - 1), then its end (X_{s+1} = X_s R + B: the
+// last group start there, or slot G - 1 + s). With one segment per group (P = G - 1) that
+// is S_start(g) = S_start(g - 1) R + B from slot g - 1, each item X. ScanItem packs the
+// slot, the group whose start it is (or -1) and whether it is X_{s+1}. At most
+// G + P - 2 <= 253 items (kdagen/checks.py keeps them so).
 constexpr int kMaxScanItems = 254;
 struct ScanItem {
   int16_t slot, group;
   bool next_x;
 };
 
-// Fills items (one thread) and returns their count (0 where the segment holds no group
-// start: nothing to write).
-__device__ inline int scan_items(const PassOneSegments& seg, int target, ScanItem* items) {
-  int count = 0, starts = 0, gs = 1;
-  for (int s = 0; s <= target; ++s) {
+// Fills items (one thread) and returns their count.
+__device__ inline int scan_items(const PassOneSegments& seg, ScanItem* items) {
+  if (seg.P >= seg.G - 1) {
+    for (int g = 1; g < seg.G; ++g) items[g - 1] = ScanItem{static_cast<int16_t>(g - 1), static_cast<int16_t>(g), true};
+    return seg.G - 1;
+  }
+  int count = 0, gs = 1;
+  for (int s = 0; s < seg.P; ++s) {
     bool end_is_start = false;
     for (; gs < seg.G && seg.segment_of(seg.start_of_group(gs)) == s; ++gs) {
       end_is_start = seg.start_of_group(gs) == seg.seg_end(s);
-      if (s == target) {
-        items[count++] = ScanItem{static_cast<int16_t>(gs - 1), static_cast<int16_t>(gs), false};
-        ++starts;
-      }
+      items[count++] = ScanItem{static_cast<int16_t>(gs - 1), static_cast<int16_t>(gs), false};
     }
-    if (s == target) break;
-    items[count++] = ScanItem{static_cast<int16_t>(end_is_start ? gs - 2 : seg.G - 1 + s), -1, true};
+    if (s + 1 == seg.P) break;
+    if (end_is_start) items[count - 1].next_x = true;
+    else items[count++] = ScanItem{static_cast<int16_t>(seg.G - 1 + s), -1, true};
   }
-  return starts > 0 ? count : 0;
+  return count;
 }
 
-// S_start(0) = the initial state = X_0; then the items above. Writes the start states of
-// one segment's groups into the sin planes (segment 0's block also group 0's). Block:
-// kScanRows rows of one (n, h) and one segment, X_s's rows in LDS (Sx). The transfer
-// planes R stream through a ring of kScanStages LDS tiles of kScanTile rows each, loaded
-// ahead across the items (asynchronously where the target can), and B's rows are read at
-// the start of their item. Thread (rg, c4) owns columns 4 c4 .. 4 c4 + 3 of rows
-// rg + RG * m: a 16-byte read of R per k and one broadcast read of Sx per row.
+// S_start(0) = the initial state = X_0; then the items above. Writes every group's start
+// state into the sin planes. Block: kScanRows rows of one (n, h), X_s's rows in LDS (Sx).
+// Only X chains from segment to segment: the transfer planes R stream through a ring of
+// kScanStages LDS tiles of kScanTile rows each, loaded ahead across the items
+// (asynchronously where the target can), and B's rows are read at the start of their
+// item. Thread (rg, c4) owns columns 4 c4 .. 4 c4 + 3 of rows rg + RG * m: a 16-byte read
+// of R per k and one broadcast read of Sx per row.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs a) {
   constexpr int D = Cfg::kHeadDim, ROWS = Cfg::kScanRows, NT = Cfg::kScanThreads;
@@ -833,12 +840,12 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
   __shared__ __align__(16) float Sx[ROWS][D];
   __shared__ ScanItem items[kMaxScanItems];
   __shared__ int num_items;
-  const int h = blockIdx.y, n = blockIdx.z / a.num_segments, target = blockIdx.z % a.num_segments;
-  const int nh = n * a.num_heads + h, v0 = blockIdx.x * ROWS;
+  const int h = blockIdx.y, n = blockIdx.z, nh = n * a.num_heads + h;
+  const int v0 = blockIdx.x * ROWS;
   const int tid = threadIdx.x, c4 = tid % CG, rg = tid / CG;
   if (tid == 0) {
     const PassOneSegments seg(a.chunk_offsets[n + 1] - a.chunk_offsets[n], a.num_groups, a.num_segments);
-    num_items = scan_items(seg, target, items);
+    num_items = scan_items(seg, items);
   }
   __syncthreads();
   const int tiles = num_items * TPG;
@@ -870,7 +877,7 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
       const float* x = init + static_cast<int64_t>(v0 + row_of(m)) * D + 4 * c4;
       acc[m] = make_float4(x[0], x[1], x[2], x[3]);
     }
-    if (target == 0) *plane_row(group_plane<Cfg>(a, 2, 0, nh), m) = acc[m];
+    *plane_row(group_plane<Cfg>(a, 2, 0, nh), m) = acc[m];
     *reinterpret_cast<float4*>(&Sx[row_of(m)][4 * c4]) = acc[m];
   }
   for (int it = 0; it < num_items; ++it) {
