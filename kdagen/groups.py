@@ -66,6 +66,8 @@ def segments_for_spec(spec, groups: int, num_seqs: int, num_heads: int, num_cus:
     """``pass_one_segments`` for the chunk scan of ``spec`` (a KernelSpec)."""
     from .render import chunk_plan_for
 
+    if groups <= 1:  # the single walk: no pass one (and no chunk plan to work out per call)
+        return 0
     D, bv = spec.head_dim, spec.block_width
     return pass_one_segments(groups, num_seqs, num_heads, num_cus, pass_one_blocks=2 * D // bv,
                              resident=chunk_plan_for(spec).min_blocks)
