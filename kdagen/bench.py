@@ -323,7 +323,49 @@ def write_results(rows: list[Row], meta: dict, markdown: str | None = None,
         plot(rows, plot_path)
 
 
+# the run facts two bench runs must share for their rows to stand in one table
+SAME_RUN_KEYS = ("gpu", "commit", "torch", "chunk")
+
+
+def merge_results(paths: list[str]) -> tuple[list[Row], dict]:
+    """The rows of several ``--json`` files of ``kdagen bench`` as one table (a bench split
+    over device calls, e.g. one gate a call): rows in file order, a later file's row
+    replacing an earlier one of the same shape and gate. The files must name the same GPU,
+    commit, torch and chunk setting (ValueError otherwise); the table's copy bandwidth and
+    matrix rate are the first file's, and each row keeps the floor its own run measured."""
+    if not paths:
+        raise ValueError("--merge needs one or more bench JSON files")
+    merged: dict[tuple[str, str], Row] = {}
+    meta: dict | None = None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
+            raise ValueError(f"{path}: not a `kdagen bench --json` file (no meta / rows)")
+        if meta is None:
+            meta = dict(data["meta"])
+        else:
+            other = data["meta"]
+            differ = [f"{k} {other.get(k)!r} vs {meta.get(k)!r}" for k in SAME_RUN_KEYS
+                      if other.get(k) != meta.get(k)]
+            if differ:
+                raise ValueError(f"{path}: not the run of {paths[0]} ({', '.join(differ)}): "
+                                 "rows of different runs do not go in one table")
+            if other.get("date") not in meta["date"].split(" / "):
+                meta["date"] = f"{meta['date']} / {other.get('date')}"
+        for r in data["rows"]:
+            row = Row(**r)
+            merged[(row.shape, row.gate)] = row
+    assert meta is not None
+    return list(merged.values()), meta
+
+
 def main(ns: argparse.Namespace) -> int:
+    if getattr(ns, "merge", None):
+        rows, meta = merge_results([p.strip() for p in ns.merge.split(",") if p.strip()])
+        print(table(rows, meta))
+        write_results(rows, meta, ns.markdown, ns.json, ns.plot)
+        return 0
     if not torch.cuda.is_available():
         print("kdagen: error: bench needs a GPU (torch.cuda.is_available() is False)")
         return 1

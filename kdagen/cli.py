@@ -281,6 +281,9 @@ def parser() -> argparse.ArgumentParser:
     bn.add_argument("--markdown", help="write the result table to this markdown file")
     bn.add_argument("--plot", help="write a PNG plot here")
     bn.add_argument("--json", help="write raw results here")
+    bn.add_argument("--merge", metavar="A.json,B.json",
+                    help="time nothing: join the --json files of earlier runs (one commit and GPU, "
+                         "e.g. one gate per device call) into one table, JSON and plot")
     bn.set_defaults(fn=cmd_bench)
 
     tu = sub.add_parser("tune", help="measure chunk-group counts (and block widths) per shape, "

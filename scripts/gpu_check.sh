@@ -6,9 +6,12 @@
 #   bash scripts/gpu_check.sh [quick|bench]   # quick: tests only; bench: tune + benchmark only
 #
 # KDAGEN_GPU_TESTS narrows the test files, KDAGEN_SANITIZE=0 skips compute-sanitizer,
-# KDAGEN_SANITIZE_TOOLS picks its tools, KDAGEN_BENCH_REPS / _GATES shape the benchmark,
-# KDAGEN_BENCH_CHUNK fixes its chunk size (no chunk-size tuning: the bench half then fits
-# one 10-minute device call).
+# KDAGEN_SANITIZE_TOOLS picks its tools, KDAGEN_BENCH_REPS / _GATES / _SHAPES shape the
+# benchmark, KDAGEN_BENCH_CHUNK fixes its chunk size (no chunk-size tuning). `bench` builds
+# only the bench's variants (examples/bench_grid.yaml). A bench too long for one call goes
+# in parts (KDAGEN_BENCH_GATES=lower_bound, then softplus), each part's $OUT/bench.json
+# joined after by `kdagen bench --merge a.json,b.json --markdown ... --plot ...`.
+# The autotune choices made on the way come back as $OUT/tune/<device>.json.
 #
 # On the device tool: run with carry [".whl"] (pydantic & co, fla-core wheels), and pass
 # KDAGEN_COMMIT=<local HEAD>: the device's copy of .git can be older than its files, and
@@ -30,7 +33,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 t0=$(date +%s)
-python3 -m kdagen.cli variants examples/gpu_grid.yaml 2>&1 | tail -n 5 | tee "$LOGS/build.log"
+grid=examples/gpu_grid.yaml; [ "${1:-}" = bench ] && grid=examples/bench_grid.yaml
+python3 -m kdagen.cli variants "$grid" 2>&1 | tail -n 5 | tee "$LOGS/build.log"
 build_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
 tests_rc=1; [ "${1:-}" = bench ] && tests_rc=skipped
@@ -67,9 +71,10 @@ if [ "${1:-}" != quick ] && [ "$build_rc" = 0 ]; then
     tune_rc=${PIPESTATUS[0]}
   fi
   python3 -m kdagen.cli bench --reps "${KDAGEN_BENCH_REPS:-30}" --gates "${KDAGEN_BENCH_GATES:-lower_bound,softplus}" \
-    --chunk-size "$bench_chunk" --markdown "$OUT/bench.md" \
+    ${KDAGEN_BENCH_SHAPES:+--shapes "$KDAGEN_BENCH_SHAPES"} --chunk-size "$bench_chunk" --markdown "$OUT/bench.md" \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$LOGS/bench.log"
   bench_rc=${PIPESTATUS[0]}
+  mkdir -p "$OUT/tune"; cp "$KDAGEN_CACHE_DIR"/tune/*.json "$OUT/tune/" 2>/dev/null || true
 fi
 t3=$(date +%s)
 echo

@@ -52,6 +52,44 @@ def test_results_are_rewritten_whole_after_each_row(tmp_path):
     assert [r["shape"] for r in json.loads(js.read_text())["rows"]] == ["8x4096x32", "16x4096x32"]
 
 
+def test_merge_joins_the_rows_of_runs_split_over_calls(tmp_path):
+    """`kdagen bench --merge`: one gate a device call, then one table; a later file's row
+    replaces the same (shape, gate); runs of another commit or GPU are refused."""
+    import argparse
+    import json
+
+    import pytest
+
+    meta = dict(date="2026-12-05", commit="abc", gpu="GPU", cus=132, torch="2.11", copy_gbps=4200,
+                bf16_tflops=744, chunk="16")
+
+    def run_file(name, gate, shapes, kdagen_ms, **meta_change):
+        rows = [bench.Row(s, gate, 1 << 20, 16, 1, kdagen_ms, 0.6, 0.5, 4.4, 0.75,
+                          *bench.traffic(1 << 20, 16), 6e-3) for s in shapes]
+        path = tmp_path / name
+        bench.write_results(rows, meta | meta_change, json_path=str(path))
+        return str(path)
+
+    lb = run_file("lb.json", "lower_bound", ["8x4096x32", "1x32768x32"], 1.1)
+    sp = run_file("sp.json", "softplus", ["8x4096x32"], 1.2, date="2026-12-06")
+    again = run_file("again.json", "lower_bound", ["1x32768x32"], 1.5)
+    rows, merged = bench.merge_results([lb, sp, again])
+    assert [(r.shape, r.gate, r.kdagen_ms) for r in rows] == [
+        ("8x4096x32", "lower_bound", 1.1), ("1x32768x32", "lower_bound", 1.5),
+        ("8x4096x32", "softplus", 1.2)]
+    assert merged["date"] == "2026-12-05 / 2026-12-06" and merged["commit"] == "abc"
+    md, js = tmp_path / "m.md", tmp_path / "m.json"
+    ns = argparse.Namespace(merge=f"{lb},{sp}", markdown=str(md), json=str(js), plot=None)
+    assert bench.main(ns) == 0
+    assert md.read_text().count("\n| 8x4096x32 |") == 2 and len(json.loads(js.read_text())["rows"]) == 3
+    other = run_file("other.json", "softplus", ["1x2048x32"], 0.2, commit="def")
+    with pytest.raises(ValueError, match="commit 'def' vs 'abc'"):
+        bench.merge_results([lb, other])
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a `kdagen bench --json` file"):
+        bench.merge_results([str(tmp_path / "bad.json")])
+
+
 def test_profile_argv_loads_the_named_variant(monkeypatch):
     import kdagen
     from kdagen import jit

@@ -128,6 +128,8 @@ def test_example_grids():
     assert len({s.uri for s in e.specs}) == 24
     gpu = expand_file(EXAMPLES / "gpu_grid.yaml")
     assert len(gpu.specs) == 25 and gpu.pruned == []  # with c32 / c16 at bv128 (the bench's sizes)
+    bench_grid = {s.uri for s in expand_file(EXAMPLES / "bench_grid.yaml").specs}
+    assert len(bench_grid) == 6 and bench_grid <= {s.uri for s in gpu.specs}  # gpu_check.sh bench
     assert [s.uri for s in expand_file(EXAMPLES / "shipped.yaml").specs] == [
         "kda_d128_c64_bv128_bf16_gfx942-e3b20d6c", "kda_d128_c64_bv128_bf16_sm90-8142fdc5",
         "kda_d128_c64_bv128_bf16_lb_gfx942-ebf04647", "kda_d128_c64_bv128_bf16_lb_sm90-8531df77",
