@@ -1,0 +1,227 @@
+"""Mutation check of the kernel tests: does a wrong index in a template fail them?
+
+Each mutant is one small edit of a kernel template (an off-by-one, a swapped index, a
+flipped sign, a dropped term) that a correct test suite must catch. For each, in a copy
+of the working tree: apply the edit, run the tests that cover it (the emulated kernels
+by default: they run the generated kernels on the CPU), and record whether they failed
+("killed") or passed ("survived": the tests cannot tell the mutant from the kernel).
+The unmutated copy runs the same selection first and must pass.
+
+    python3 scripts/mutants.py [--only NAME,...] [--timeout S] [--markdown F] [--skip-baseline] [--list]
+
+CPU only (clang for the emulation); about one to ten minutes a mutant on two cores
+(a killed mutant stops at its first failing test, -x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+INC = "templates/include/kdagen"
+EMULATED = "tests/test_emulated_kernels.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str   # must occur exactly once in the file
+    new: str
+    why: str   # what the edit breaks
+    tests: str = EMULATED  # pytest arguments: the tests that must catch it
+
+
+MUTANTS = [
+    # ---- chunk scan (chunk.h) -------------------------------------------------------------
+    Mutant("decay-neighbour", f"{INC}/chunk.h",
+           "mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });\n        if constexpr (kTwo)",
+           "mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[(16 * kt + k) ^ 1]; });\n        if constexpr (kTwo)",
+           "the walk decays each state column by its neighbour's gate"),
+    Mutant("aqk-no-diagonal-block", f"{INC}/chunk.h",
+           "for (int cj = 0; cj <= ci; ++cj) {\n            const mma::Frag ab",
+           "for (int cj = 0; cj < ci; ++cj) {\n            const mma::Frag ab",
+           "o leaves out the in-chunk term of its own diagonal block"),
+    Mutant("output-scale-sign", f"{INC}/chunk.h",
+           "mma::for_each(o[ci], [&](int, int, float& x) { x *= -a.scale; });",
+           "mma::for_each(o[ci], [&](int, int, float& x) { x *= a.scale; });",
+           "the inter-chunk part of o with the wrong sign"),
+    # (an edit of the row index i alone is an equivalent mutant: the lanes' read of the LDS
+    # row and write of the token row move together, only which lane stores which row changes)
+    Mutant("swizzled-o-rows", f"{INC}/chunk.h",
+           "*reinterpret_cast<const uint4*>(Us + lds_index<BV, Lay::LDU, true>(i, col + 8 * half));",
+           "*reinterpret_cast<const uint4*>(Us + lds_index<BV, Lay::LDU, true>(i ^ 1, col + 8 * half));",
+           "the swizzled o store writes each token row from its neighbour's"),
+    Mutant("checkpoint-one-chunk-early", f"{INC}/chunk.h",
+           "if (ck_tokens > 0 && (c + 1) * C == ck_tokens) {",
+           "if (ck_tokens > 0 && (c + 2) * C == ck_tokens) {",
+           "the mid-prefill checkpoint holds the state one chunk early"),
+    Mutant("transfer-identity-sign", f"{INC}/chunk.h",
+           "if (transfer) x = (rowb + r - D == 16 * kt + k) ? -1.0f : 0.0f;",
+           "if (transfer) x = (rowb + r - D == 16 * kt + k) ? 1.0f : 0.0f;",
+           "unpaired pass one starts the transfer rows at -I, not I"),
+    Mutant("paired-transfer-identity-shifted", f"{INC}/chunk.h",
+           "mma::for_each(S1[kt], [&](int r, int k, float& x) { x = (row0 + r == 16 * kt + k) ? -1.0f : 0.0f; });",
+           "mma::for_each(S1[kt], [&](int r, int k, float& x) { x = (row0 + r == (16 * kt + k) % 16) ? -1.0f : 0.0f; });",
+           "paired pass one's transfer rows start as the identity of the first 16 columns only"),
+    Mutant("segment-of-group-start", f"{INC}/chunk.h",
+           "int segment_of(int p) const { return p == 0 ? 0 : (p - 1) / pspan; }",
+           "int segment_of(int p) const { return p == 0 ? 0 : p / pspan; }",
+           "a group start on a segment's end belongs to the next segment"),
+    Mutant("last-group-of-final-state", f"{INC}/chunk.h",
+           "const int last_group = nc == 0 ? 0 : (nc - 1) / span;",
+           "const int last_group = nc == 0 ? 0 : nc / span;",
+           "pass two writes the final state from no group where the chunks fill the groups"),
+    Mutant("workspace-slots-overlap", f"{INC}/chunk.h",
+           "return segments > 1 && segments < groups - 1 ? groups + segments - 2 : groups;",
+           "return segments > 1 && segments < groups - 1 ? groups + segments - 3 : groups;",
+           "the workspace planes of segmented pass one overlap"),
+    Mutant("scan-segment-end-is-start", f"{INC}/chunk.h",
+           "end_is_start = seg.start_of_group(gs) == seg.seg_end(s);",
+           "end_is_start = false;",
+           "the scan reads a segment end the walk never stored where a group starts there"),
+    Mutant("scan-drops-b-column", f"{INC}/chunk.h",
+           "acc[m].w += b[m].w;",
+           "acc[m].w += b[m].z;",
+           "the group scan adds the wrong column of B"),
+    Mutant("pass-two-start-slot", f"{INC}/chunk.h",
+           "if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);",
+           "if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g > 0 ? g - 1 : 0, nh);",
+           "pass two starts each group from the previous group's start"),
+    # ---- prologue (prologue.h) ------------------------------------------------------------
+    Mutant("beta-neighbour-token", f"{INC}/prologue.h",
+           "static_cast<int64_t>(t0 + tid) * a.beta.token +",
+           "static_cast<int64_t>(t0 + (tid ^ 1)) * a.beta.token +",
+           "beta of the neighbouring token"),
+    Mutant("cumsum-exclusive", f"{INC}/prologue.h",
+           "acc += Gs[(r0 + i) * LDG + d];\n        Gs[(r0 + i) * LDG + d] = acc;",
+           "const float gi = Gs[(r0 + i) * LDG + d];\n        Gs[(r0 + i) * LDG + d] = acc;\n        acc += gi;",
+           "the cumulative gate leaves out each token's own gate"),
+    Mutant("cumsum-runs-offset", f"{INC}/prologue.h",
+           "for (int p = 0; p < sg; ++p) off +=",
+           "for (int p = 0; p + 1 < sg; ++p) off +=",
+           "a run of the split cumsum leaves out the run just above it"),
+    Mutant("decay-column", f"{INC}/prologue.h",
+           "decay[d] = exp2f(Gs[last * LDG + gcol(d)]);",
+           "decay[d] = exp2f(Gs[last * LDG + gcol(d ^ 1)]);",
+           "the chunk's decay of the neighbouring column"),
+    Mutant("k-norm-of-q", f"{INC}/prologue.h",
+           "rk[i] = i < valid ? rnorm(kk[m]) : 0.0f;",
+           "rk[i] = i < valid ? rnorm(qq[m]) : 0.0f;",
+           "k normalised by q's norm (the per-wave norm path)"),
+    Mutant("k-norm-of-q-planar", f"{INC}/prologue.h",
+           "rk[i] = i < valid ? rnorm(sk) : 0.0f;",
+           "rk[i] = i < valid ? rnorm(sq) : 0.0f;",
+           "k normalised by q's norm (the planar path)"),
+    Mutant("lower-bound-bias-sign", f"{INC}/prologue.h",
+           "gv[j] = __fdividef(lbi, 1.0f + exp2_fast(fmaf(raw8[j], na, bs[j])));",
+           "gv[j] = __fdividef(lbi, 1.0f + exp2_fast(fmaf(raw8[j], na, -bs[j])));",
+           "the lower-bound gate with dt_bias subtracted"),
+    Mutant("softplus-bias-column", f"{INC}/prologue.h",
+           "gv[j] = in ? -a_exp * softplus_log2(fmaf(raw8[j], kLog2e, bs[j])) : 0.0f;",
+           "gv[j] = in ? -a_exp * softplus_log2(fmaf(raw8[j], kLog2e, bs[(j + 1) % VEC])) : 0.0f;",
+           "the softplus gate takes the next column's dt_bias"),
+    # ---- vendor layers --------------------------------------------------------------------
+    Mutant("cuda-state-rows-swapped", f"{INC}/vendor_cuda.h",
+           "make_float2(s * c.v[i], s * c.v[i + 1]);",
+           "make_float2(s * c.v[i + 1], s * c.v[i]);",
+           "sm_90's 8-byte state stores swap neighbouring columns"),
+    Mutant("cdna-accumulator-column", f"{INC}/vendor_cdna.h",
+           "f(r, 4 * q + j, x);",
+           "f(r, 4 * q + (j ^ 1), x);",
+           "CDNA's accumulator layout with neighbouring columns swapped"),
+]
+
+
+def run_tests(tree: Path, tests: str, timeout: float) -> tuple[str, float, str]:
+    """('passed' | 'failed' | 'timeout', seconds, the last lines of pytest's output)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    t0 = time.time()
+    try:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                            *tests.split()], cwd=tree, env=env, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.time() - t0, ""
+    tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-3:])
+    return ("passed" if p.returncode == 0 else "failed"), time.time() - t0, tail
+
+
+def copy_tree(dst: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", "build", "__pycache__", "*.egg-info", ".pytest_cache")
+    for name in ("kdagen", "templates", "tests", "examples", "generated", "pyproject.toml"):
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=ignore)
+        else:
+            shutil.copy2(src, dst / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", help="comma separated mutant names (default: all)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per test run")
+    ap.add_argument("--markdown", help="append the result table here")
+    ap.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    ap.add_argument("--skip-baseline", action="store_true",
+                    help="do not run the unmutated tests first (they passed on this tree already)")
+    ns = ap.parse_args(argv)
+    chosen = MUTANTS
+    if ns.only:
+        names = {n.strip() for n in ns.only.split(",") if n.strip()}
+        unknown = names - {m.name for m in MUTANTS}
+        if unknown:
+            ap.error(f"unknown mutant(s): {', '.join(sorted(unknown))}")
+        chosen = [m for m in MUTANTS if m.name in names]
+    for m in chosen:  # every edit must apply to the current templates
+        count = (ROOT / m.path).read_text().count(m.old)
+        if count != 1:
+            print(f"mutants: {m.name}: its text occurs {count} times in {m.path} (needs 1)")
+            return 2
+    if ns.list:
+        for m in chosen:
+            print(f"{m.name:34} {m.path.split('/')[-1]:14} {m.why}")
+        return 0
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kdagen-mutants-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        for tests in [] if ns.skip_baseline else sorted({m.tests for m in chosen}):
+            status, secs, tail = run_tests(tree, tests, ns.timeout)
+            print(f"baseline ({tests}): {status} in {secs:.0f} s", flush=True)
+            if status != "passed":
+                print(tail)
+                return 1
+        for m in chosen:
+            path = tree / m.path
+            original = path.read_text()
+            path.write_text(original.replace(m.old, m.new))
+            try:
+                status, secs, tail = run_tests(tree, m.tests, ns.timeout)
+            finally:
+                path.write_text(original)
+            verdict = {"failed": "killed", "passed": "SURVIVED"}.get(status, status)
+            first_fail = next((line for line in tail.splitlines() if line.startswith("FAILED")), "")
+            rows.append((m, verdict, secs, first_fail))
+            print(f"{m.name:34} {verdict:9} {secs:6.0f} s  {first_fail[:120]}", flush=True)
+    table = ["| mutant | file | what it breaks | verdict | s | first failing test |", "|---|---|---|---|---|---|"]
+    for m, verdict, secs, first in rows:
+        test = first.removeprefix("FAILED ").split(" - ")[0]
+        table.append(f"| {m.name} | {m.path.split('/')[-1]} | {m.why} | {verdict} | {secs:.0f} | {test} |")
+    print("\n".join(table))
+    if ns.markdown:
+        with open(ns.markdown, "a") as f:
+            f.write("\n".join(table) + "\n")
+    return 0 if all(v == "killed" for _, v, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
