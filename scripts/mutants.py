@@ -1,7 +1,9 @@
-"""Mutation check of the kernel tests: does a wrong index in a template fail them?
+"""Mutation check of the tests: does a wrong index in a template (or in the host code)
+fail them?
 
-Each mutant is one small edit of a kernel template (an off-by-one, a swapped index, a
-flipped sign, a dropped term) that a correct test suite must catch. For each, in a copy
+Each mutant is one small edit of a kernel template or of the host side (chunk numbering,
+workspace, segments, argument checks, the float64 reference): an off-by-one, a swapped
+index, a flipped sign, a dropped term, which a correct test suite must catch. For each, in a copy
 of the working tree: apply the edit, run the tests that cover it (the emulated kernels
 by default: they run the generated kernels on the CPU), and record whether they failed
 ("killed") or passed ("survived": the tests cannot tell the mutant from the kernel).
@@ -10,7 +12,8 @@ The unmutated copy runs the same selection first and must pass.
     python3 scripts/mutants.py [--only NAME,...] [--timeout S] [--markdown F] [--skip-baseline] [--list]
 
 CPU only (clang for the emulation); about one to ten minutes a mutant on two cores
-(a killed mutant stops at its first failing test, -x).
+for a template mutant (a killed one stops at its first failing test, -x), about 30 s for
+a host one (the CPU tests without emulation or compilers).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 INC = "templates/include/kdagen"
-EMULATED = "tests/test_emulated_kernels.py"
+EMULATED = ("tests/test_emulated_kernels.py",)
+# the CPU tests without emulation or compilers (~30 s)
+# (not tests/test_mutants.py: it fails on any mutated tree, by design)
+FAST = ("tests", "-m", "not emulate and not compile and not gpu", "--ignore=tests/test_mutants.py")
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ class Mutant:
     old: str   # must occur exactly once in the file
     new: str
     why: str   # what the edit breaks
-    tests: str = EMULATED  # pytest arguments: the tests that must catch it
+    tests: tuple[str, ...] = EMULATED  # pytest arguments: the tests that must catch it
 
 
 MUTANTS = [
@@ -138,17 +144,54 @@ MUTANTS = [
            "f(r, 4 * q + j, x);",
            "f(r, 4 * q + (j ^ 1), x);",
            "CDNA's accumulator layout with neighbouring columns swapped"),
+
+    # ---- host side: chunk numbering, workspace, segments, checks, the float64 reference ----
+    Mutant("chunk-count-ceil", "kdagen/varlen.py",
+           "lens + (chunk_size - 1), chunk_size",
+           "lens + chunk_size, chunk_size",
+           "a sequence of whole chunks counts one chunk more", FAST),
+    Mutant("chunk-indices-inclusive-offsets", "kdagen/varlen.py",
+           "offsets = torch.cumsum(counts, 0) - counts  # exclusive prefix sum",
+           "offsets = torch.cumsum(counts, 0)  # exclusive prefix sum",
+           "chunk indices numbered from each sequence's end", FAST),
+    Mutant("workspace-slots-host", "kdagen/groups.py",
+           "slots = groups + p - 2 if 1 < p < groups - 1 else groups",
+           "slots = groups + p - 3 if 1 < p < groups - 1 else groups",
+           "the host allocates one workspace slot too few for segmented pass one", FAST),
+    Mutant("segment-batches-floor", "kdagen/groups.py",
+           "steps = lambda p: -(-p * per_seg // slots) / p",
+           "steps = lambda p: (p * per_seg // slots) / p",
+           "the segment heuristic counts batches of blocks rounded down", FAST),
+    Mutant("segment-count-bound", "kdagen/checks.py",
+           "if segments < 0 or segments > top:",
+           "if segments < 0 or segments > top + 1:",
+           "the op accepts as many segments as groups", FAST),
+    Mutant("cu-seqlens-decreasing", "kdagen/checks.py",
+           "if vals[i] < vals[i - 1]), None)",
+           "if vals[i] < vals[i - 1] - 1), None)",
+           "cu_seqlens may step back by one", FAST),
+    Mutant("reference-strict-mask", "kdagen/reference.py",
+           "strict = (ii[:, None] > ii[None, :])[None, :, :, None]",
+           "strict = (ii[:, None] >= ii[None, :])[None, :, :, None]",
+           "the chunked reference's L takes its diagonal", FAST),
+    Mutant("reference-checkpoint-early", "kdagen/reference.py",
+           "if ckpt is not None and t - bos + 1 == offs[n]:",
+           "if ckpt is not None and t - bos + 2 == offs[n]:",
+           "the token recurrence's checkpoint one token early", FAST),
+    Mutant("reference-lower-bound-gate", "kdagen/reference.py",
+           "return float(lower_bound) * torch.sigmoid(a * x)",
+           "return float(lower_bound) * torch.sigmoid(x)",
+           "the reference's lower-bound gate without exp(A_log)", FAST),
 ]
 
 
-def run_tests(tree: Path, tests: str, timeout: float) -> tuple[str, float, str]:
+def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, float, str]:
     """('passed' | 'failed' | 'timeout', seconds, the last lines of pytest's output)."""
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
     t0 = time.time()
     try:
-        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                            *tests.split()], cwd=tree, env=env, capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                           cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout", time.time() - t0, ""
     tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-3:])
@@ -156,12 +199,13 @@ def run_tests(tree: Path, tests: str, timeout: float) -> tuple[str, float, str]:
 
 
 def copy_tree(dst: Path) -> None:
-    ignore = shutil.ignore_patterns(".git", "build", "__pycache__", "*.egg-info", ".pytest_cache")
-    for name in ("kdagen", "templates", "tests", "examples", "generated", "pyproject.toml"):
+    """The working tree's files that git tracks or would add (not build/, caches)."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
         src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, dst / name, ignore=ignore)
-        else:
+        if src.is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / name)
 
 
@@ -196,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_tree(tree)
         for tests in [] if ns.skip_baseline else sorted({m.tests for m in chosen}):
             status, secs, tail = run_tests(tree, tests, ns.timeout)
-            print(f"baseline ({tests}): {status} in {secs:.0f} s", flush=True)
+            print(f"baseline ({' '.join(tests)}): {status} in {secs:.0f} s", flush=True)
             if status != "passed":
                 print(tail)
                 return 1

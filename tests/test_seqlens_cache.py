@@ -193,3 +193,16 @@ def test_prepared_seqlens_are_checked_against_the_call():
     with pytest.raises(checks.ArgumentError, match="must be on meta"):
         seqlens.checked("op", sl, 100, torch.device("meta"), 32)
     assert seqlens.checked("op", sl, 100, torch.device("cpu"), 32) is sl
+
+
+def test_cu_seqlens_one_step_back_is_refused_and_equal_steps_are_not():
+    """The boundary of the non-decreasing check: a step back of one token is refused and
+    named; an equal step (a sequence of length 0) is accepted (scripts/mutants.py
+    cu-seqlens-decreasing: a check off by one passed every test before this one)."""
+    from kdagen import checks
+
+    assert checks.cu_seqlens_values("op", torch.tensor([0, 64, 64, 128]), 128) == [0, 64, 64, 128]
+    with pytest.raises(ValueError, match=r"non-decreasing, but \[1\] = 65 > \[2\] = 64"):
+        checks.cu_seqlens_values("op", torch.tensor([0, 65, 64, 128]), 128)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        seqlens.checked("op", torch.tensor([0, 65, 64, 128], dtype=torch.int32), 128, None, 64)
