@@ -8,7 +8,8 @@
 # KDAGEN_GPU_TESTS narrows the test files, KDAGEN_SANITIZE=0 skips compute-sanitizer,
 # KDAGEN_SANITIZE_TOOLS picks its tools, KDAGEN_BENCH_REPS / _GATES / _SHAPES shape the
 # benchmark, KDAGEN_BENCH_CHUNK fixes its chunk size (no chunk-size tuning). `bench` builds
-# only the bench's variants (examples/bench_grid.yaml). A bench too long for one call goes
+# only the bench's variants (examples/bench_grid.yaml; with KDAGEN_BENCH_CHUNK only that chunk
+# size's, for KDAGEN_BENCH_GATES). A bench too long for one call goes
 # in parts (KDAGEN_BENCH_GATES=lower_bound, then softplus), each part's $OUT/bench.json
 # joined after by `kdagen bench --merge a.json,b.json --markdown ... --plot ...`.
 # The autotune choices made on the way come back as $OUT/tune/<device>.json.
@@ -34,6 +35,12 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 
 t0=$(date +%s)
 grid=examples/gpu_grid.yaml; [ "${1:-}" = bench ] && grid=examples/bench_grid.yaml
+if [ "${1:-}" = bench ] && [ -n "${KDAGEN_BENCH_CHUNK:-}" ]; then
+  # a fixed chunk size: build only the variants this bench part loads
+  grid=$LOGS/bench_grid.yaml
+  printf 'grids:\n  - grid:\n      head_dim: [128]\n      chunk_size: [%s]\n      gate: [%s]\n' \
+    "$KDAGEN_BENCH_CHUNK" "${KDAGEN_BENCH_GATES:-lower_bound,softplus}" > "$grid"
+fi
 python3 -m kdagen.cli variants "$grid" 2>&1 | tail -n 5 | tee "$LOGS/build.log"
 build_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
