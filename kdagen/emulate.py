@@ -148,8 +148,21 @@ def _build_dir() -> Path:
     return cache_root() / "emulate"
 
 
+BLOCK_ORDERS = ("shuffle", "forward", "reverse")
+
+
+def block_order() -> str:
+    """The order the emulated grids run their blocks in: ``KDAGEN_EMULATE_BLOCK_ORDER``,
+    shuffle (the default: a fixed seed per launch), forward or reverse."""
+    how = os.environ.get("KDAGEN_EMULATE_BLOCK_ORDER") or "shuffle"
+    if how not in BLOCK_ORDERS:
+        raise EmulationError(f"KDAGEN_EMULATE_BLOCK_ORDER={how!r} is not one of {', '.join(BLOCK_ORDERS)}")
+    return how
+
+
 def emulated(spec: KernelSpec | dict | str | Path) -> Kernels:
     """Build (once per spec and template version) and load the CPU emulation of a variant."""
+    block_order()  # a wrong KDAGEN_EMULATE_BLOCK_ORDER is named here, not by an abort inside a launch
     spec = spec_from_any(spec)
     rendered = render(spec)
     # keyed by what is compiled: the rendered sources (their Config follows kdagen's

@@ -161,6 +161,45 @@ def test_swizzled_layout_is_a_permutation_that_spreads_bank_groups(tmp_path):
     assert bad == ["0"] * 5, bad
 
 
+BLOCK_ORDER_PROGRAM = r"""
+#include "kdagen/emulate.h"
+// Each block writes its index into its own cell and, wrongly, into the next block's: a
+// forward run hides that (the next block writes its cell again after), another order not.
+int main() {
+  constexpr unsigned X = 3, Y = 2, Z = 4, N = X * Y * Z;
+  int out[N + 1] = {}, runs[N] = {};
+  kdagen_emu::launch(dim3(X, Y, Z), dim3(4), 0, [&] {
+    const int b = static_cast<int>(blockIdx.x + X * (blockIdx.y + Y * blockIdx.z));
+    if (threadIdx.x == 0) { ++runs[b]; out[b] = b; out[b + 1] = b; }
+  });
+  int once = 0, hidden = 1;
+  for (unsigned b = 0; b < N; ++b) { once += runs[b] == 1; hidden &= out[b] == static_cast<int>(b); }
+  std::printf("%d %d\n", once, hidden);
+}
+"""
+
+
+@needs_clang
+@pytest.mark.parametrize("order, hidden", [("forward", 1), ("reverse", 0), ("shuffle", 0), ("", 0)])
+def test_emulated_blocks_run_once_each_in_the_chosen_order(tmp_path, monkeypatch, order, hidden):
+    """KDAGEN_EMULATE_BLOCK_ORDER: every block of a grid runs exactly once in each order,
+    and only the forward order hides a block that writes into its neighbour's cell (the
+    default, shuffle, does not); a name that is no order is refused before a launch."""
+    from kdagen.emulate import EmulationError, block_order, find_clang
+    from kdagen.render import templates_dir
+
+    src, exe = tmp_path / "order.cpp", tmp_path / "order"
+    src.write_text(BLOCK_ORDER_PROGRAM)
+    subprocess.run([find_clang(), "-std=c++20", "-pthread", "-DKDAGEN_EMULATE", "-DKDAGEN_EMULATE_NVIDIA",
+                    f"-I{templates_dir() / 'include'}", str(src), "-o", str(exe)], check=True)
+    env = dict(os.environ, KDAGEN_EMULATE_BLOCK_ORDER=order)
+    got = subprocess.run([str(exe)], capture_output=True, text=True, check=True, env=env).stdout.split()
+    assert got == ["24", str(hidden)], got
+    monkeypatch.setenv("KDAGEN_EMULATE_BLOCK_ORDER", "sideways")
+    with pytest.raises(EmulationError, match="sideways"):
+        block_order()
+
+
 def check_prefill(fields, dtype):
     """Prologue and chunk scan (one walk, three groups, u formed from v) against the
     float64 reference, outputs poisoned."""

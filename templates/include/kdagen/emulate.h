@@ -3,7 +3,10 @@
 //
 // Compile a rendered kernels.hip as C++20 with -DKDAGEN_EMULATE (AMD flavour: wave 64,
 // MFMA 16x16x16) or -DKDAGEN_EMULATE -DKDAGEN_EMULATE_NVIDIA (wave 32, mma.sync m16n8k16,
-// cp.async). Every GPU thread of a block is a std::thread; blocks run one after another.
+// cp.async). Every GPU thread of a block is a std::thread; blocks run one after another,
+// in an order a GPU could also take (KDAGEN_EMULATE_BLOCK_ORDER: shuffle (the default,
+// a fixed seed per launch: reproducible), forward or reverse), so a block that writes into
+// a neighbour's rows is not hidden by the neighbour writing them again after it.
 //   __syncthreads            a barrier of the block's threads
 //   wave collectives         shuffles and matrix instructions meet at a barrier of the
 //                            wave's threads, exchange operands through a wave scratchpad;
@@ -31,6 +34,8 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -159,7 +164,29 @@ inline void wg_wait(int newer) {  // retire all but the `newer` most recent comm
   t_wg.erase(t_wg.begin(), t_wg.begin() + static_cast<long>(i));
 }
 
-// Run a grid: blocks in order, the threads of each block at once.
+// The grid's blocks in the order they run (KDAGEN_EMULATE_BLOCK_ORDER, see the top).
+inline std::vector<dim3> block_order(dim3 grid) {
+  std::vector<dim3> order;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) order.emplace_back(x, y, z);
+  const char* env = std::getenv("KDAGEN_EMULATE_BLOCK_ORDER");
+  const std::string how = env != nullptr && *env != '\0' ? env : "shuffle";
+  static unsigned launches = 0;  // a fixed seed per launch of the process
+  if (how == "reverse") {
+    std::reverse(order.begin(), order.end());
+  } else if (how == "shuffle") {
+    std::mt19937 rng(0x6b646167u + launches++);
+    std::shuffle(order.begin(), order.end(), rng);
+  } else if (how != "forward") {
+    std::fprintf(stderr, "kdagen emulate: KDAGEN_EMULATE_BLOCK_ORDER=%s is not shuffle, forward or reverse\n",
+                 how.c_str());
+    std::abort();
+  }
+  return order;
+}
+
+// Run a grid: blocks one after another (block_order), the threads of each block at once.
 inline void launch(dim3 grid, dim3 blk, size_t shmem, const std::function<void()>& body) {
   const int nt = static_cast<int>(blk.x * blk.y * blk.z);
   std::vector<unsigned char> buf(shmem + 64);
@@ -167,32 +194,31 @@ inline void launch(dim3 grid, dim3 blk, size_t shmem, const std::function<void()
       (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   blockDim = blk;
   gridDim = grid;
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        std::memset(base, 0xff, shmem);  // NaN bytes
-        block.smem = base;
-        block.bar = std::make_unique<std::barrier<>>(nt);
-        block.waves.clear();
-        for (int w = 0; w < (nt + kWave - 1) / kWave; ++w) {
-          auto wave = std::make_unique<Wave>();
-          wave->bar = std::make_unique<std::barrier<>>(std::min(kWave, nt - kWave * w));
-          block.waves.push_back(std::move(wave));
+  for (const dim3 b : block_order(grid)) {
+    const unsigned x = b.x, y = b.y, z = b.z;
+    std::memset(base, 0xff, shmem);  // NaN bytes
+    block.smem = base;
+    block.bar = std::make_unique<std::barrier<>>(nt);
+    block.waves.clear();
+    for (int w = 0; w < (nt + kWave - 1) / kWave; ++w) {
+      auto wave = std::make_unique<Wave>();
+      wave->bar = std::make_unique<std::barrier<>>(std::min(kWave, nt - kWave * w));
+      block.waves.push_back(std::move(wave));
+    }
+    std::vector<std::thread> threads;
+    threads.reserve(nt);
+    for (int t = 0; t < nt; ++t)
+      threads.emplace_back([&, t] {
+        threadIdx = dim3(static_cast<unsigned>(t), 0, 0);
+        blockIdx = dim3(x, y, z);
+        body();
+        if (!t_wg.empty()) {
+          std::fprintf(stderr, "kdagen emulate: a wgmma product was never waited for\n");
+          std::abort();
         }
-        std::vector<std::thread> threads;
-        threads.reserve(nt);
-        for (int t = 0; t < nt; ++t)
-          threads.emplace_back([&, t] {
-            threadIdx = dim3(static_cast<unsigned>(t), 0, 0);
-            blockIdx = dim3(x, y, z);
-            body();
-            if (!t_wg.empty()) {
-              std::fprintf(stderr, "kdagen emulate: a wgmma product was never waited for\n");
-              std::abort();
-            }
-          });
-        for (auto& t : threads) t.join();
-      }
+      });
+    for (auto& t : threads) t.join();
+  }
 }
 
 #if defined(KDAGEN_EMULATE_NVIDIA)
