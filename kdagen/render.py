@@ -132,7 +132,7 @@ def render(spec: KernelSpec) -> Rendered:
         recurrent_waves=resources.RECURRENT_WAVES,
         prologue_threads=resources.prologue_threads(spec.chunk_size),
         scan_threads=resources.SCAN_THREADS,
-        scan=resources.scan_plan(spec.head_dim),
+        scan_plans=resources.scan_plans(spec.head_dim),
         op_structs=OP_STRUCTS,
         kdagen_version=__version__,
     )

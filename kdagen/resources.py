@@ -22,14 +22,18 @@ RECURRENT_ROWS_PER_BLOCK = 16
 RECURRENT_WAVES = 4
 SCAN_THREADS = 256
 # The group scan streams the transfer planes through a ring of SCAN_STAGES LDS tiles of
-# SCAN_TILE_BYTES each (fp32 rows of R), beside its state rows: 40 KB at every head dim,
-# within CDNA's 64 KB of LDS and the 48 KB of static shared memory of NVIDIA's.
+# SCAN_TILE_BYTES each (fp32 rows of R), beside its state rows: at most SCAN_SHARED_LIMIT.
 SCAN_STAGES = 4
 SCAN_TILE_BYTES = 8192
-SCAN_ROWS = 16  # state rows per group-scan block at head dims <= 128 (8 at 256)
+# State rows per group-scan block: each variant builds the scan for every count here that
+# fits (scan_plans), and each call takes one by its N x H planes (scan_rows_for): a block
+# reads every transfer plane of its head once, so more rows read less, fewer rows run
+# more blocks (session 20, H100: about one block per SM was fastest at 8 and 32 planes).
+SCAN_ROWS_CHOICES = (32, 16, 8)
 # The scan's table of products per sequence (chunk.h ScanItem: 6 bytes, kMaxScanItems) and
 # its count, in static shared memory beside the ring and the rows.
 SCAN_TABLE_BYTES = 6 * 254 + 4
+SCAN_SHARED_LIMIT = 42 * 1024  # within CDNA's 64 KB of LDS and NVIDIA's 48 KB of static shared memory
 
 
 @dataclass(frozen=True)
@@ -44,11 +48,35 @@ class ScanPlan:
         return 4 * head_dim * (self.stages * self.tile + self.rows) + SCAN_TABLE_BYTES
 
 
-def scan_plan(head_dim: int) -> ScanPlan:
-    """16 state rows per block (8 at D = 256, so its 16 KB of rows stay small), and ring
-    tiles of SCAN_TILE_BYTES: 32 rows of R at D = 64, 16 at 128, 8 at 256."""
-    return ScanPlan(rows=SCAN_ROWS if head_dim <= 128 else 8, tile=SCAN_TILE_BYTES // (4 * head_dim),
-                    stages=SCAN_STAGES)
+def scan_plans(head_dim: int) -> tuple[ScanPlan, ...]:
+    """The group scan's blocks a variant builds, most rows first: each count of
+    SCAN_ROWS_CHOICES that SCAN_THREADS threads tile (4 columns a thread), with ring tiles
+    of SCAN_TILE_BYTES (32 rows of R at D = 64, 16 at 128, 8 at 256) and the most stages,
+    up to SCAN_STAGES and at least 2, that keep it within SCAN_SHARED_LIMIT."""
+    tile = SCAN_TILE_BYTES // (4 * head_dim)
+    row_groups = SCAN_THREADS // (head_dim // 4)
+    plans = []
+    for rows in SCAN_ROWS_CHOICES:
+        if rows % row_groups:
+            continue
+        for stages in range(SCAN_STAGES, 1, -1):
+            plan = ScanPlan(rows=rows, tile=tile, stages=stages)
+            if plan.shared_bytes(head_dim) <= SCAN_SHARED_LIMIT:
+                plans.append(plan)
+                break
+    return tuple(plans)
+
+
+def scan_rows_for(plans: tuple[ScanPlan, ...], head_dim: int, planes: int, compute_units: int) -> int:
+    """The rows per block of the group scan of ``planes`` (N x H) state planes: the most
+    rows whose blocks reach half the compute units, else the fewest. The launcher
+    (kernels.hip.j2, scan_rows_for) takes the same choice at run time."""
+    for plan in plans:
+        if 2 * (head_dim // plan.rows) * planes >= compute_units:
+            return plan.rows
+    return plans[-1].rows
+
+
 # Most fp32 state values one lane may hold across the chunk walk.
 MAX_STATE_REGS_PER_LANE = 64
 MAX_THREADS_PER_BLOCK = 1024

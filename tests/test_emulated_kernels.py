@@ -622,6 +622,46 @@ def test_every_group_count_matches_the_single_walk(target, pass_one_stages, pair
         assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2, (g, segments)
 
 
+def launched_grids(kern) -> list[tuple[int, int, int]]:
+    """The grids the emulated variant launched since the last read (emulate.h)."""
+    import ctypes as ct
+
+    out = (ct.c_uint * 48)()
+    n = ct.CDLL(kern.library).kdagen_emulate_grids(out, 16)
+    return [tuple(out[3 * i:3 * i + 3]) for i in range(min(n, 16))]
+
+
+@needs_clang
+@pytest.mark.parametrize("target, head_dim", [("sm_90", 64), ("gfx90a", 128)])
+def test_every_group_scan_block_matches_the_single_walk(target, head_dim, monkeypatch):
+    """Each group-scan block the variant builds (resources.scan_plans: 32 / 16 rows at
+    D = 64, 32 / 16 / 8 at D = 128), picked at run time by the compute units
+    (KDAGEN_EMULATE_CUS, so that 2 x D / rows x N x H just reaches them): the launch has
+    D / rows blocks per (n, h), and outputs and end states match the single walk, in one
+    segment per group and in fewer (workspace poisoned)."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    kern = emulated(head_dim=head_dim, chunk_size=32, block_width=32, target=target)
+    x = make_inputs([32 * 6 + 7, 40], 2, head_dim, device="cpu", seed=23)  # walks of 7 and 2 chunks
+    p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+    init = torch.randn(2, 2, head_dim, head_dim, generator=torch.Generator().manual_seed(5)) * 0.1
+    run = lambda g, s=None: kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
+                                                 x.cu_seqlens, init, True, groups=g, segments=s)
+    o1, s1 = run(1)
+    planes = 2 * 2
+    plans = resources.scan_plans(head_dim)
+    assert len(plans) >= 2
+    for plan in plans:
+        cus = 2 * (head_dim // plan.rows) * planes
+        assert resources.scan_rows_for(plans, head_dim, planes, cus) == plan.rows
+        monkeypatch.setenv("KDAGEN_EMULATE_CUS", str(cus))
+        for g, segments in ((3, None), (4, 2)):
+            launched_grids(kern)
+            og, sg = run(g, segments)
+            grids = launched_grids(kern)
+            assert len(grids) == 3 and grids[1] == (head_dim // plan.rows, 2, 2), (plan, grids)
+            assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2, (plan.rows, g, segments)
+
+
 @needs_clang
 @pytest.mark.parametrize("target, head_dim, swizzle", [("sm_90", 128, False), ("sm_90", 128, True),
                                                       ("gfx950", 64, False)])

@@ -249,6 +249,32 @@ def test_every_group_count_matches_single_walk(record):
         assert rel_err(s, s_ref) < BF16_TOL, (g, seg)
 
 
+@pytest.mark.parametrize("heads", [2, 4, 8])
+def test_group_scan_rows_of_every_plane_count(heads, record):
+    """The group scan's rows per block follow the N x H planes (resources.scan_rows_for:
+    on 132 SMs 3 x 2 planes take 8 rows, 3 x 4 take 16, 3 x 8 take 32): grouped walks
+    against the single walk and the token recurrence at each, outputs poisoned."""
+    from kdagen import resources
+    from kdagen.groups import num_compute_units
+
+    kern = kernels(head_dim=128)
+    x = make_inputs([64 * 12 + 17, 64 * 5, 5], heads, 128, seed=29 + heads)
+    p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+    init = torch.randn(3, heads, 128, 128, device=DEV) * 0.1
+    walk = lambda g, seg=None: kern.fused_kda_chunk(
+        *(p[k] for k in ("qg", "w", "u", "kg_t", "aqk", "decay")), torch.full_like(p["u"], float("nan")),
+        None, x.cu_seqlens, init, True, groups=g, segments=seg)
+    base_o, base_s = walk(1)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens, initial_state=init)
+    rows = resources.scan_rows_for(resources.scan_plans(128), 128, 3 * heads, num_compute_units(torch.device(DEV)))
+    for g, seg in ((4, None), (8, 3)):
+        o, s = walk(g, seg)
+        record(heads=heads, scan_rows=rows, groups=g, out_vs_single=rel_err(o, base_o),
+               state_vs_single=rel_err(s, base_s), out_vs_ref=rel_err(o, o_ref))
+        assert rel_err(o, base_o) < 1e-2 and rel_err(s, base_s) < 1e-2, (rows, g, seg)
+        assert rel_err(o, o_ref) < BF16_TOL and rel_err(s, s_ref) < BF16_TOL, (rows, g, seg)
+
+
 # ---- paged state cache and checkpoints --------------------------------------------------------
 
 

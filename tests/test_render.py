@@ -155,9 +155,7 @@ def test_default_constexprs():
         "kPrologueThreads": str(resources.PROLOGUE_THREADS),
         "kPrologueMinBlocks": "2",  # 113 KB of LDS: two blocks per SM
         "kScanThreads": str(resources.SCAN_THREADS),
-        "kScanRows": "16",
         "kScanTile": "16",  # 8 KB of fp32 R rows at D = 128
-        "kScanStages": str(resources.SCAN_STAGES),
     }
     assert "static constexpr int kHeadDim = 128;" in kernels({})
 
@@ -507,14 +505,36 @@ def test_check_generated_on_a_missing_root(tmp_path):
 
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_scan_plan_fits_lds_and_tiles_the_block(head_dim):
-    """The group scan's ring, state rows and table of products within 42 KB (CDNA: 64 KB of
-    LDS; NVIDIA: 48 KB of static shared memory), its 256 threads tiling the rows and every R
-    tile."""
-    plan = resources.scan_plan(head_dim)
-    assert plan.shared_bytes(head_dim) <= 42 * 1024
+@pytest.mark.parametrize("head_dim, rows", [(64, [32, 16]), (128, [32, 16, 8]), (256, [16, 8])])
+def test_scan_plans_fit_lds_and_tile_the_block(head_dim, rows):
+    """Every group-scan block a variant builds: its ring, state rows and table of products
+    within 42 KB (CDNA: 64 KB of LDS; NVIDIA: 48 KB of static shared memory), its 256
+    threads tiling the rows and every R tile; most rows first; and each one launched
+    (D <= 128: D = 256 builds no chunk scan)."""
+    plans = resources.scan_plans(head_dim)
+    assert [p.rows for p in plans] == rows
     column_groups = head_dim // 4
     row_groups = resources.SCAN_THREADS // column_groups
-    assert plan.rows % row_groups == 0 and head_dim % plan.tile == 0
-    assert (plan.tile * head_dim // 4) % resources.SCAN_THREADS == 0 and plan.stages >= 2
+    for plan in plans:
+        assert plan.shared_bytes(head_dim) <= 42 * 1024
+        assert plan.rows % row_groups == 0 and head_dim % plan.tile == 0
+        assert (plan.tile * head_dim // 4) % resources.SCAN_THREADS == 0 and plan.stages >= 2
+    if head_dim > 128:
+        return  # (no chunk scan at D = 256: its state does not fit a lane, spec.py)
+    src = render(KernelSpec(target="sm_90", head_dim=head_dim, chunk_size=64, block_width=head_dim))
+    text = src.files["kernels.hip"]
+    assert "kRows[] = {" + ", ".join(map(str, rows)) + "};" in text
+    for plan in plans:
+        assert f"group_scan_kernel<Config, {plan.rows}, {plan.stages}>), dim3(D / {plan.rows}, H, N)" in text
+
+
+@pytest.mark.parametrize("planes, cus, rows", [
+    (32, 132, 32),   # 1x32768x32: 128 blocks (session 20, H100: scan 0.064 ms against 0.074 at 16 rows)
+    (8, 132, 8),     # 1x131072x8: 128 blocks (0.116 against 0.134 at 16 rows, 0.184 at 32)
+    (16, 132, 16),   # 128 blocks
+    (256, 132, 32),  # many planes: the most rows
+    (1, 132, 8),     # too few planes for half the units at any count: the fewest rows
+    (6, 0, 32),      # no compute units read: the most rows
+])
+def test_scan_rows_for_aims_at_a_block_per_compute_unit(planes, cus, rows):
+    assert resources.scan_rows_for(resources.scan_plans(128), 128, planes, cus) == rows

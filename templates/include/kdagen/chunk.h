@@ -822,16 +822,16 @@ __device__ inline int scan_items(const PassOneSegments& seg, ScanItem* items) {
 }
 
 // S_start(0) = the initial state = X_0; then the items above. Writes every group's start
-// state into the sin planes. Block: kScanRows rows of one (n, h), X_s's rows in LDS (Sx).
+// state into the sin planes. Block: ROWS rows of one (n, h), X_s's rows in LDS (Sx); the
+// launcher picks ROWS per call from the variant's choices (kernels.hip.j2, scan_rows_for).
 // Only X chains from segment to segment: the transfer planes R stream through a ring of
-// kScanStages LDS tiles of kScanTile rows each, loaded ahead across the items
+// NS LDS tiles of kScanTile rows each, loaded ahead across the items
 // (asynchronously where the target can), and B's rows are read at the start of their
 // item. Thread (rg, c4) owns columns 4 c4 .. 4 c4 + 3 of rows rg + RG * m: a 16-byte read
 // of R per k and one broadcast read of Sx per row.
-template <class Cfg>
+template <class Cfg, int ROWS, int NS>
 __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs a) {
-  constexpr int D = Cfg::kHeadDim, ROWS = Cfg::kScanRows, NT = Cfg::kScanThreads;
-  constexpr int KP = Cfg::kScanTile, NS = Cfg::kScanStages;
+  constexpr int D = Cfg::kHeadDim, NT = Cfg::kScanThreads, KP = Cfg::kScanTile;
   constexpr int CG = D / 4, RG = NT / CG, RPT = ROWS / RG;  // column groups, row groups, rows per thread
   constexpr int TPG = D / KP, PIECES = KP * D / 4;          // tiles per item, 16-byte pieces per tile
   static_assert(NT % CG == 0 && ROWS % RG == 0 && D % KP == 0 && PIECES % NT == 0 && NS >= 2,
@@ -888,6 +888,7 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
       b[m] = *plane_row(group_plane<Cfg>(a, 0, item.slot, nh), m);
       acc[m] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+#pragma unroll 1  // (an unrolled item streams all its tiles at once: hipcc spilled at 8 rows)
     for (int q = 0; q < TPG; ++q) {
       const int i = it * TPG + q;
       async::wait<NS - 2>();  // this thread's pieces of tile i have landed

@@ -20,6 +20,7 @@
 //                            latest wait_group that must have landed it (a miscounted
 //                            group then reads stale or NaN data)
 //   hipLaunchKernelGGL       runs the grid
+//   hipDeviceGetAttribute    the compute units: KDAGEN_EMULATE_CUS (default 8)
 // Matrix layouts follow the ISA documents: mma.sync m16n8k16 (PTX ISA, lane = 4 g + t)
 // and v_mfma_f32_16x16x16 (CDNA ISA: A[i][k] in lane i + 16 (k / 4), element k % 4;
 // B[k][j] in lane j + 16 (k / 4); D[i][j] in lane j + 16 (i / 4), element i % 4).
@@ -186,8 +187,13 @@ inline std::vector<dim3> block_order(dim3 grid) {
   return order;
 }
 
+// The grids launched since kdagen_emulate_grids last read them (tests: which kernel form
+// a launcher picked).
+inline std::vector<dim3> launched_grids;
+
 // Run a grid: blocks one after another (block_order), the threads of each block at once.
 inline void launch(dim3 grid, dim3 blk, size_t shmem, const std::function<void()>& body) {
+  launched_grids.push_back(grid);
   const int nt = static_cast<int>(blk.x * blk.y * blk.z);
   std::vector<unsigned char> buf(shmem + 64);
   unsigned char* base = reinterpret_cast<unsigned char*>(
@@ -396,5 +402,29 @@ constexpr int hipFuncAttributeMaxDynamicSharedMemorySize = 8;
 inline hipError_t hipGetLastError() { return hipSuccess; }
 inline const char* hipGetErrorString(hipError_t e) { return e == 0 ? "no error" : "emulated error"; }
 inline hipError_t hipFuncSetAttribute(const void*, int, int) { return hipSuccess; }
+constexpr int hipDeviceAttributeMultiprocessorCount = 16;
+inline hipError_t hipGetDevice(int* d) {
+  *d = 0;
+  return hipSuccess;
+}
+// The emulated device's compute units: KDAGEN_EMULATE_CUS, 8 unless set (what launchers
+// that size their grids by the machine see here).
+inline hipError_t hipDeviceGetAttribute(int* v, int, int) {
+  const char* env = std::getenv("KDAGEN_EMULATE_CUS");
+  *v = env != nullptr && *env != '\0' ? std::atoi(env) : 8;
+  return hipSuccess;
+}
 #define hipLaunchKernelGGL(kernel, grid, blk, shmem, stream, ...) \
   kdagen_emu::launch((grid), (blk), (shmem), [&] { kernel(__VA_ARGS__); })
+
+// For tests: the grids launched since the last call, x / y / z of each into out (at most
+// max of them); returns how many there were.
+extern "C" __attribute__((used)) int kdagen_emulate_grids(unsigned* out, int max) {
+  const int n = static_cast<int>(kdagen_emu::launched_grids.size());
+  for (int i = 0; i < n && i < max; ++i) {
+    const dim3 g = kdagen_emu::launched_grids[static_cast<size_t>(i)];
+    out[3 * i] = g.x, out[3 * i + 1] = g.y, out[3 * i + 2] = g.z;
+  }
+  kdagen_emu::launched_grids.clear();
+  return n;
+}
