@@ -192,6 +192,15 @@ CHUNK_STAGES = 2
 # 1x32768x32 in 8 groups (0.701 / 0.680 / 0.723 at 1x131072x8 in 32): 3.
 PASS_ONE_STAGES = 3
 
+# The grouped walk's lead segment: pass one's first segment (or group) starts at chunk 0,
+# where the true start state X_0 (the initial state) is known, so it walks the state from
+# X_0 and no transfer rows (its B is then the true state; the scan takes it without a
+# product), about half a segment's work a step. Its length against each other segment's,
+# in eighths (12: 1.5 times as long; 0: off, segment 0 walks from zero with its transfer
+# like the others). Only segments (pass_one_segments < groups - 1) move their boundaries;
+# one segment per group keeps equal groups and only drops group 0's transfer rows.
+PASS_ONE_LEAD = 12
+
 
 @dataclass(frozen=True)
 class ChunkPlan:
