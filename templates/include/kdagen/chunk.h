@@ -23,7 +23,8 @@
 //   pass one  (kMode 1, one per group; kMode 3, segments): per segment, from its start,
 //             the zero-start state B (rows < V) and the transfer R = A^T (rows V..V+K,
 //             started from the identity, u = 0), stored at every group start inside the
-//             segment and at the segment's end.
+//             segment and at the segment's end. Segment 0 with Cfg::kPassOneLead (the
+//             lead): from the true start X_0, state rows only, its B the true state.
 //   scan      (group_scan_kernel): with X_s the true state at segment s's start,
 //             S_start(g) = X_s R + B for the group starts in segment s, and
 //             X_{s+1} = X_s R + B at its end; in fp32.
