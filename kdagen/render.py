@@ -126,6 +126,7 @@ def render(spec: KernelSpec) -> Rendered:
             resources.prologue_threads(spec.chunk_size)),
         chunk=chunk_plan_for(spec),
         chunk_u_apart=resources.CHUNK_U_APART,
+        pass_one_lead=resources.PASS_ONE_LEAD,
         pad16=resources.PAD_16BIT,
         pad32=resources.PAD_FP32,
         recurrent_rows=resources.RECURRENT_ROWS_PER_BLOCK,

@@ -192,6 +192,18 @@ CHUNK_STAGES = 2
 # 1x32768x32 in 8 groups (0.701 / 0.680 / 0.723 at 1x131072x8 in 32): 3.
 PASS_ONE_STAGES = 3
 
+# The grouped walk's lead segment: pass one's first segment (or group) starts at chunk 0,
+# where the true start state X_0 (the initial state) is known, so it walks the state from
+# X_0 and no transfer rows (its B is then the true state; the scan takes it without a
+# product). Its length against each other segment's, in eighths (0: off, segment 0 walks
+# from zero with its transfer like the others). Only segments (pass_one_segments < groups
+# - 1) move their boundaries; one segment per group keeps equal groups and only drops
+# group 0's transfer rows. H200, c16 lower bound, 1x32768x32 (8 groups, 4 segments), one-
+# call A/Bs (docs/NOTES.md v25): pass one 0.489-0.494 ms off -> 0.498 (8) / 0.465 (10) /
+# 0.452 (11) / 0.476 (12) / 0.568 (16), the scan 0.062 -> 0.049; busy graph 1.615 ->
+# 1.564 ms at 11. A lead step costs ~0.72 of a paired one, so the balance is 8 / 0.72: 11.
+PASS_ONE_LEAD = 11
+
 
 @dataclass(frozen=True)
 class ChunkPlan:

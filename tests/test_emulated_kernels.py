@@ -587,11 +587,12 @@ def test_softplus_gate_over_its_whole_input_range(target):
 
 
 @needs_clang
-@pytest.mark.parametrize("target, pass_one_stages, paired, swizzle", [
-    ("sm_90", 0, False, False), ("sm_90", 3, False, False), ("gfx942", 0, False, False),
-    ("sm_90", 3, True, False), ("gfx942", 0, True, False), ("sm_90", 3, True, True), ("gfx942", 0, False, True),
-    ("gfx942", 0, True, True)])
-def test_every_group_count_matches_the_single_walk(target, pass_one_stages, paired, swizzle, monkeypatch):
+@pytest.mark.parametrize("target, pass_one_stages, paired, swizzle, lead", [
+    ("sm_90", 0, False, False, 12), ("sm_90", 3, False, False, 12), ("gfx942", 0, False, False, 12),
+    ("sm_90", 3, True, False, 11), ("gfx942", 0, True, False, 11), ("sm_90", 3, True, True, 12),
+    ("gfx942", 0, False, True, 12), ("gfx942", 0, True, True, 12),
+    ("sm_90", 3, True, False, 0), ("gfx942", 0, False, False, 0), ("sm_90", 3, True, False, 40)])
+def test_every_group_count_matches_the_single_walk(target, pass_one_stages, paired, swizzle, lead, monkeypatch):
     """The two-pass group scan against the single walk, for group counts that split
     one long walk evenly, unevenly and into groups of one chunk, with pass one in one
     segment per group and in fewer segments that end between group starts (pass one
@@ -599,8 +600,11 @@ def test_every_group_count_matches_the_single_walk(target, pass_one_stages, pair
     workspace poisoned: a plane read before it is written shows as NaN); on sm_90 also with pass one
     buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two,
     with pass one's state and transfer rows paired in one block (PASS_ONE_PAIRED), and
-    with swizzled tiles (CHUNK_SWIZZLE, CHUNK_SWIZZLE_CDNA: set here on both vendors)."""
+    with swizzled tiles (CHUNK_SWIZZLE, CHUNK_SWIZZLE_CDNA: set here on both vendors);
+    pass one's lead segment (PASS_ONE_LEAD: segment 0 from the true start, no transfer
+    rows) at 11 / 8 (the default), 1.5 and 5 times a segment's length, and off."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
+    monkeypatch.setattr(resources, "PASS_ONE_LEAD", lead)
     monkeypatch.setattr(resources, "PASS_ONE_STAGES", pass_one_stages)
     monkeypatch.setattr(resources, "PASS_ONE_PAIRED", paired)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)

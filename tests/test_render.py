@@ -146,6 +146,7 @@ def test_default_constexprs():
         "kChunkWgmma": "false",  # resources.CHUNK_WGMMA: per-wave mma.sync (measured faster)
         "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
         "kPassOnePaired": "false",  # resources.pass_one_paired: on (v21), but not at c64 on wave32 (spills)
+        "kPassOneLead": str(resources.PASS_ONE_LEAD),  # pass one's segment 0 from X_0 (eighths of a segment)
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
         "kWalkPaired": "false",  # resources.walk_paired: on (v22), at chunk 16 only
         "kPad16": str(resources.PAD_16BIT),

@@ -23,7 +23,8 @@
 //   pass one  (kMode 1, one per group; kMode 3, segments): per segment, from its start,
 //             the zero-start state B (rows < V) and the transfer R = A^T (rows V..V+K,
 //             started from the identity, u = 0), stored at every group start inside the
-//             segment and at the segment's end.
+//             segment and at the segment's end. Segment 0 with Cfg::kPassOneLead (the
+//             lead): from the true start X_0, state rows only, its B the true state.
 //   scan      (group_scan_kernel): with X_s the true state at segment s's start,
 //             S_start(g) = X_s R + B for the group starts in segment s, and
 //             X_{s+1} = X_s R + B at its end; in fp32.
@@ -161,20 +162,29 @@ __device__ __forceinline__ float* group_plane(const ChunkArgs& a, int which, int
 
 // Where the groups of a sequence of nc chunks start and where pass one's segments run:
 // group g starts at chunk start_of_group(g) (g < G: spans of ceil(nc / G) chunks); pass one
-// covers the chunks before the last group's start, `cover`, in P segments of `pspan`
-// chunks, segment s from seg_start(s) to seg_end(s). A group start p > 0 belongs to the
-// segment it ends, (p - 1) / pspan (p = 0: segment 0).
+// covers the chunks before the last group's start, `cover`, in P segments: segment 0 of
+// `lead` chunks, then segments of `pspan`, segment s from seg_start(s) to seg_end(s). A group
+// start p > 0 belongs to the segment it ends. With a lead weight (Cfg::kPassOneLead, in
+// eighths of a segment; 0: none) segment 0 walks from the true start and is that much
+// longer: lead = ceil(cover x w / (w + 8 (P - 1))); without, lead = pspan.
 struct PassOneSegments {
-  int nc, G, P, span, cover, pspan;
-  __device__ __forceinline__ PassOneSegments(int nc_, int G_, int P_) : nc(nc_), G(G_), P(P_) {
+  int nc, G, P, span, cover, lead, pspan;
+  __device__ __forceinline__ PassOneSegments(int nc_, int G_, int P_, int w = 0) : nc(nc_), G(G_), P(P_) {
     span = max(1, (nc + G - 1) / G);
     cover = min(nc, (G - 1) * span);
-    pspan = max(1, (cover + P - 1) / P);
+    if (w > 0 && P > 1) {
+      const int64_t den = w + 8 * (P - 1);
+      lead = static_cast<int>((static_cast<int64_t>(cover) * w + den - 1) / den);
+      pspan = max(1, (cover - lead + P - 2) / (P - 1));
+    } else {
+      pspan = max(1, (cover + P - 1) / P);
+      lead = min(cover, pspan);
+    }
   }
   __device__ __forceinline__ int start_of_group(int g) const { return min(nc, g * span); }
-  __device__ __forceinline__ int seg_start(int s) const { return min(cover, s * pspan); }
-  __device__ __forceinline__ int seg_end(int s) const { return min(cover, (s + 1) * pspan); }
-  __device__ __forceinline__ int segment_of(int p) const { return p == 0 ? 0 : (p - 1) / pspan; }
+  __device__ __forceinline__ int seg_start(int s) const { return s == 0 ? 0 : min(cover, lead + (s - 1) * pspan); }
+  __device__ __forceinline__ int seg_end(int s) const { return s == 0 ? lead : min(cover, lead + s * pspan); }
+  __device__ __forceinline__ int segment_of(int p) const { return p <= lead ? 0 : 1 + (p - lead - 1) / pspan; }
 };
 
 // The fp32 start state of (n, h): initial_state, the paged cache row, or zero.
@@ -216,9 +226,11 @@ constexpr bool kPairedWalk = kIsPassOne<kMode> && Cfg::kPassOnePaired;
 template <class Cfg, int kMode>
 constexpr bool kPairedRows = !kIsPassOne<kMode> && Cfg::kWalkPaired;
 
-template <class Cfg, int kMode, bool kAkk = false>
-__global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<Cfg, kMode>>::kThreads),
-                                     (kPairedWalk<Cfg, kMode> ? 1 : Cfg::kChunkMinBlocks)) chunk_kernel(ChunkArgs a) {
+// The walk of one block. kLead: pass one's lead segment (Cfg::kPassOneLead), which starts
+// at chunk 0: it walks the state rows from the true start X_0 (the initial state) and no
+// transfer rows, so its B is the true state (the scan takes it without a product).
+template <class Cfg, int kMode, bool kAkk, bool kLead>
+__device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   constexpr bool kPassOne = kIsPassOne<kMode>, kSegments = kMode == kWalkPassOneSegments;
@@ -228,7 +240,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
   constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
   constexpr bool kWg = Lay::kWg, kSwz = Lay::kSwz;
-  constexpr bool kPaired = kPairedWalk<Cfg, kMode>;
+  constexpr bool kPaired = kPairedWalk<Cfg, kMode> && !kLead;
   constexpr bool kTwo = kPaired || kPairV;  // a second tile, S1
   constexpr int RW = kPairV ? 32 : 16;      // state rows per wave
   static_assert(!kTwo || !kWg, "paired rows take the per-wave products");
@@ -263,10 +275,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   const int wave = wave_id();
   const int row0 = blockIdx.x * BV + RW * wave;  // this wave's first row (of V, or V + K in pass one)
   const int colw = RW * wave;  // ... its first column of the u / o tile
-  const bool transfer = kPassOne && blockIdx.x * BV >= D;
+  const bool transfer = kPassOne && !kLead && blockIdx.x * BV >= D;
   const int bos = a.cu_seqlens[n], len = a.cu_seqlens[n + 1] - bos;
   const int cbase = a.chunk_offsets[n], nc = a.chunk_offsets[n + 1] - cbase;
-  const PassOneSegments seg(nc, G, a.num_segments);
+  const PassOneSegments seg(nc, G, a.num_segments, Cfg::kPassOneLead);
   const int span = seg.span;
   const int c0 = kSegments ? seg.seg_start(g) : min(nc, g * span);
   const int c1 = kSegments ? seg.seg_end(g) : min(nc, c0 + span);
@@ -281,7 +293,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   // kPaired: the transfer rows row0 .. row0 + 15 of R, -R^T; kPairV: V rows row0 + 16 .. row0 + 31
   mma::Acc S1[kTwo ? KT : 1];
   const float* init = nullptr;
-  if constexpr (kMode == kWalkSingle) init = initial_plane(a, n, h, D);
+  if constexpr (kMode == kWalkSingle || kLead) init = initial_plane(a, n, h, D);
   if constexpr (kMode == kWalkPassTwo) init = group_plane<Cfg>(a, 2, g, nh);
   // (8-byte pieces where the vendor layer has them, mma::kStateRows, and the plane is 16-byte
   // aligned: the caller's initial_state may be 4-byte aligned only)
@@ -789,22 +801,38 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
   }
 }
 
+template <class Cfg, int kMode, bool kAkk = false>
+__global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<Cfg, kMode>>::kThreads),
+                                     (kPairedWalk<Cfg, kMode> ? 1 : Cfg::kChunkMinBlocks)) chunk_kernel(ChunkArgs a) {
+  if constexpr (kIsPassOne<kMode> && Cfg::kPassOneLead > 0) {
+    if (blockIdx.z % a.num_segments == 0) {  // segment (or group) 0: the lead
+      // (unpaired: the blocks past V would walk its transfer rows, which nobody reads)
+      if (!kPairedWalk<Cfg, kMode> && blockIdx.x * Cfg::kBlockV >= Cfg::kHeadDim) return;
+      chunk_walk<Cfg, kMode, kAkk, true>(a);
+      return;
+    }
+  }
+  chunk_walk<Cfg, kMode, kAkk, false>(a);
+}
+
 // The scan's products of one sequence, in order: for each segment s, the group starts in
 // it (sin[g] = X_s R + B from bg / rg slot g - 1), then its end (X_{s+1} = X_s R + B: the
 // last group start there, or slot G - 1 + s). With one segment per group (P = G - 1) that
 // is S_start(g) = S_start(g - 1) R + B from slot g - 1, each item X. ScanItem packs the
-// slot, the group whose start it is (or -1) and whether it is X_{s+1}. At most
-// G + P - 2 <= 253 items (kdagen/checks.py keeps them so).
+// slot, the group whose start it is (or -1), whether it is X_{s+1}, and whether B is the
+// true state already (`lead`: segment 0's items under Cfg::kPassOneLead; they come first).
+// At most G + P - 2 <= 253 items (kdagen/checks.py keeps them so).
 constexpr int kMaxScanItems = 254;
 struct ScanItem {
   int16_t slot, group;
-  bool next_x;
+  bool next_x, lead;
 };
 
 // Fills items (one thread) and returns their count.
-__device__ inline int scan_items(const PassOneSegments& seg, ScanItem* items) {
+__device__ inline int scan_items(const PassOneSegments& seg, bool lead, ScanItem* items) {
   if (seg.P >= seg.G - 1) {
-    for (int g = 1; g < seg.G; ++g) items[g - 1] = ScanItem{static_cast<int16_t>(g - 1), static_cast<int16_t>(g), true};
+    for (int g = 1; g < seg.G; ++g)
+      items[g - 1] = ScanItem{static_cast<int16_t>(g - 1), static_cast<int16_t>(g), true, lead && g == 1};
     return seg.G - 1;
   }
   int count = 0, gs = 1;
@@ -812,11 +840,11 @@ __device__ inline int scan_items(const PassOneSegments& seg, ScanItem* items) {
     bool end_is_start = false;
     for (; gs < seg.G && seg.segment_of(seg.start_of_group(gs)) == s; ++gs) {
       end_is_start = seg.start_of_group(gs) == seg.seg_end(s);
-      items[count++] = ScanItem{static_cast<int16_t>(gs - 1), static_cast<int16_t>(gs), false};
+      items[count++] = ScanItem{static_cast<int16_t>(gs - 1), static_cast<int16_t>(gs), false, lead && s == 0};
     }
     if (s + 1 == seg.P) break;
     if (end_is_start) items[count - 1].next_x = true;
-    else items[count++] = ScanItem{static_cast<int16_t>(seg.G - 1 + s), -1, true};
+    else items[count++] = ScanItem{static_cast<int16_t>(seg.G - 1 + s), -1, true, lead && s == 0};
   }
   return count;
 }
@@ -839,16 +867,21 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
   __shared__ __align__(16) float Rs[NS][KP][D];
   __shared__ __align__(16) float Sx[ROWS][D];
   __shared__ ScanItem items[kMaxScanItems];
-  __shared__ int num_items;
+  __shared__ int num_items, num_lead;
   const int h = blockIdx.y, n = blockIdx.z, nh = n * a.num_heads + h;
   const int v0 = blockIdx.x * ROWS;
   const int tid = threadIdx.x, c4 = tid % CG, rg = tid / CG;
   if (tid == 0) {
-    const PassOneSegments seg(a.chunk_offsets[n + 1] - a.chunk_offsets[n], a.num_groups, a.num_segments);
-    num_items = scan_items(seg, items);
+    const PassOneSegments seg(a.chunk_offsets[n + 1] - a.chunk_offsets[n], a.num_groups, a.num_segments,
+                              Cfg::kPassOneLead);
+    num_items = scan_items(seg, Cfg::kPassOneLead > 0, items);
+    int lead = 0;
+    while (lead < num_items && items[lead].lead) ++lead;
+    num_lead = lead;
   }
   __syncthreads();
-  const int tiles = num_items * TPG;
+  // the R tiles: TPG per item after the lead items (which take B as it is)
+  const int lead_items = num_lead, tiles = (num_items - lead_items) * TPG;
   auto row_of = [&](int m) { return rg + RG * m; };
   auto plane_row = [&](float* plane, int m) {
     return reinterpret_cast<float4*>(plane + static_cast<int64_t>(v0 + row_of(m)) * D + 4 * c4);
@@ -856,7 +889,7 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
   // tile i: rows (i % TPG) * KP .. + KP - 1 of item i / TPG's R, into slot i % NS
   auto load_tile = [&](int i) {
     if (i < tiles) {
-      const float* src = group_plane<Cfg>(a, 1, items[i / TPG].slot, nh) + (i % TPG) * KP * D;
+      const float* src = group_plane<Cfg>(a, 1, items[lead_items + i / TPG].slot, nh) + (i % TPG) * KP * D;
 #pragma unroll
       for (int j = 0; j < PIECES / NT; ++j) {
         const int e = tid + j * NT;
@@ -889,8 +922,8 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
       acc[m] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll 1  // (an unrolled item streams all its tiles at once: hipcc spilled at 8 rows)
-    for (int q = 0; q < TPG; ++q) {
-      const int i = it * TPG + q;
+    for (int q = 0; q < (it < lead_items ? 0 : TPG); ++q) {
+      const int i = (it - lead_items) * TPG + q;
       async::wait<NS - 2>();  // this thread's pieces of tile i have landed
       __syncthreads();        // everyone's have, Sx is written, and slot (i - 1) % NS is free
       load_tile(i + NS - 1);
