@@ -819,32 +819,35 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
 // it (sin[g] = X_s R + B from bg / rg slot g - 1), then its end (X_{s+1} = X_s R + B: the
 // last group start there, or slot G - 1 + s). With one segment per group (P = G - 1) that
 // is S_start(g) = S_start(g - 1) R + B from slot g - 1, each item X. ScanItem packs the
-// slot, the group whose start it is (or -1), whether it is X_{s+1}, and whether B is the
-// true state already (`lead`: segment 0's items under Cfg::kPassOneLead; they come first).
-// At most G + P - 2 <= 253 items (kdagen/checks.py keeps them so).
+// slot, the group whose start it is (or -1) and whether it is X_{s+1}. At most
+// G + P - 2 <= 253 items (kdagen/checks.py keeps them so).
 constexpr int kMaxScanItems = 254;
 struct ScanItem {
   int16_t slot, group;
-  bool next_x, lead;
+  bool next_x;
 };
 
-// Fills items (one thread) and returns their count.
-__device__ inline int scan_items(const PassOneSegments& seg, bool lead, ScanItem* items) {
+// Fills items (one thread) and returns their count. With a lead (Cfg::kPassOneLead)
+// segment 0's items, the first *num_lead, hold the true state in B already.
+__device__ inline int scan_items(const PassOneSegments& seg, bool lead, ScanItem* items, int* num_lead) {
   if (seg.P >= seg.G - 1) {
-    for (int g = 1; g < seg.G; ++g)
-      items[g - 1] = ScanItem{static_cast<int16_t>(g - 1), static_cast<int16_t>(g), true, lead && g == 1};
+    for (int g = 1; g < seg.G; ++g) items[g - 1] = ScanItem{static_cast<int16_t>(g - 1), static_cast<int16_t>(g), true};
+    *num_lead = lead && seg.G > 1 ? 1 : 0;
     return seg.G - 1;
   }
+  *num_lead = 0;
   int count = 0, gs = 1;
   for (int s = 0; s < seg.P; ++s) {
     bool end_is_start = false;
     for (; gs < seg.G && seg.segment_of(seg.start_of_group(gs)) == s; ++gs) {
       end_is_start = seg.start_of_group(gs) == seg.seg_end(s);
-      items[count++] = ScanItem{static_cast<int16_t>(gs - 1), static_cast<int16_t>(gs), false, lead && s == 0};
+      items[count++] = ScanItem{static_cast<int16_t>(gs - 1), static_cast<int16_t>(gs), false};
     }
-    if (s + 1 == seg.P) break;
-    if (end_is_start) items[count - 1].next_x = true;
-    else items[count++] = ScanItem{static_cast<int16_t>(seg.G - 1 + s), -1, true, lead && s == 0};
+    if (s + 1 < seg.P) {
+      if (end_is_start) items[count - 1].next_x = true;
+      else items[count++] = ScanItem{static_cast<int16_t>(seg.G - 1 + s), -1, true};
+    }
+    if (s == 0 && lead) *num_lead = count;
   }
   return count;
 }
@@ -874,10 +877,7 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
   if (tid == 0) {
     const PassOneSegments seg(a.chunk_offsets[n + 1] - a.chunk_offsets[n], a.num_groups, a.num_segments,
                               Cfg::kPassOneLead);
-    num_items = scan_items(seg, Cfg::kPassOneLead > 0, items);
-    int lead = 0;
-    while (lead < num_items && items[lead].lead) ++lead;
-    num_lead = lead;
+    num_items = scan_items(seg, Cfg::kPassOneLead > 0, items, &num_lead);
   }
   __syncthreads();
   // the R tiles: TPG per item after the lead items (which take B as it is)
