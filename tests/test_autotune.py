@@ -55,6 +55,24 @@ def test_pick_fastest_takes_the_minimum_and_reports_every_time():
     assert times == fake
 
 
+def test_tuner_times_device_work_behind_a_spin(monkeypatch):
+    """The tuner's timer puts a spin kernel ahead of every timed call (bench.time_ms's
+    lead), so a choice is made on device time, not on the host's enqueue of its launches."""
+    from kdagen import bench
+
+    seen = []
+
+    def fake_time_ms(fn, sets, reps, warmup=3, lead=False):
+        fn(0)
+        seen.append((sets, reps, lead))
+        return 1.0
+
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    calls = []
+    assert at._time_ms(lambda: calls.append(1), 7) == 1.0
+    assert seen == [(1, 7, True)] and calls == [1]
+
+
 def test_cache_roundtrip_and_merge(cache):
     c = at.TuneCache(cache)
     assert c.get("a", "nh32-c512") is None
