@@ -143,6 +143,10 @@ def _cus(index: int) -> int:
 
 
 def num_compute_units(device: torch.device) -> int:
-    """CUs (AMD) or SMs (NVIDIA) of ``device``, read from the device."""
+    """CUs (AMD) or SMs (NVIDIA) of ``device``, read from the device (once per device;
+    while torch.compile traces, straight from its properties, a constant to the tracer,
+    which would otherwise warn that it ignores the cache)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_properties(index).multi_processor_count
     return _cus(index)

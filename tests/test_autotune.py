@@ -383,3 +383,22 @@ def test_cli_tune_show_prints_every_recorded_choice(cache, monkeypatch, capsys):
     assert main(["tune", "--show"]) == 0
     out = capsys.readouterr().out
     assert "chunk_size 16" in out and "groups 1" in out and str(cache) in out
+
+
+def test_compute_units_while_tracing_skip_the_cache(monkeypatch):
+    """Under torch.compile tracing the SM count is read from the device's properties, not
+    through the lru_cache (Dynamo warned that it ignores the cache wrapper)."""
+    from types import SimpleNamespace
+
+    from kdagen import groups
+
+    reads = []
+
+    def props(index):
+        reads.append(index)
+        return SimpleNamespace(multi_processor_count=132)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(groups, "_cus", lambda index: pytest.fail("the cache was used while tracing"))
+    assert groups.num_compute_units(torch.device("cuda", 1)) == 132 and reads == [1]
