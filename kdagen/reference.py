@@ -159,6 +159,11 @@ def _gated_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound):
     return qh, kh, v[0].to(device=dev, dtype=_F64), g, beta
 
 
+def _check_chunk_size(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
 def _scale(scale: float | None, K: int) -> float:
     return K ** -0.5 if scale is None else float(scale)
 
@@ -292,8 +297,7 @@ def chunk_prologue_reference(
       in place of ``u``: row of position ``i`` holds ``Akk[i,j] * beta_j`` at column
       ``j``, so that ``u = akk v`` chunk by chunk; 0 past the chunk's end.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     qh, kh, vv, g, beta = _gated_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound)
     T, H, K = qh.shape
     V = vv.shape[-1]
@@ -328,8 +332,7 @@ def chunk_prologue_reference(
 
 def _scan_operands(qg, w, u, kg_t, aqk, decay, cu_seqlens, chunk_size):
     """Validate the chunk-scan operands; return float64 views and chunk bookkeeping."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     if not isinstance(qg, Tensor) or qg.dim() != 4 or qg.shape[0] != 1:
         raise ValueError(f"qg must be [1, T, H, K], got {getattr(qg, 'shape', type(qg))}")
     _, T, H, K = qg.shape
@@ -473,8 +476,7 @@ def merge_chunk_pairs(
     up to rounding: ``tests/test_reference.py``). A prologue that computes chunks of
     ``C`` and emits ``2C`` could feed the wider walk this way (docs/NOTES.md, session
     22). ``ops`` as :func:`chunk_prologue_reference` returns them (``u`` or ``akk``)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     C, C2 = chunk_size, 2 * chunk_size
     T, H, K = ops["qg"].shape[1:]
     bounds = _bounds(cu_seqlens, T)
@@ -487,8 +489,12 @@ def merge_chunk_pairs(
     for name in ("aqk", "akk"):
         if name in ops:
             out[name] = torch.zeros(1, T, H, C2, dtype=_F64, device=dev)
-    rows = lambda name, a, b: ops[name][0, a:b].transpose(0, 1)  # noqa: E731  [H, n, *]
-    put = lambda name, a, b, x, c0=0: out[name][0, a:b, :, c0:c0 + x.shape[-1]].copy_(x.transpose(0, 1))  # noqa: E731
+    def rows(name: str, a: int, b: int) -> Tensor:  # tokens [a, b) head-major, [H, n, *]
+        return ops[name][0, a:b].transpose(0, 1)
+
+    def put(name: str, a: int, b: int, x: Tensor, c0: int = 0) -> None:  # x [H, n, m] at column c0
+        out[name][0, a:b, :, c0:c0 + x.shape[-1]].copy_(x.transpose(0, 1))
+
     c1 = c2 = 0
     for bos, eos in bounds:
         for s in range(bos, eos, C2):
