@@ -195,10 +195,13 @@ __device__ __forceinline__ float* group_plane(const ChunkArgs& a, int which, int
 // `lead` chunks, then segments of `pspan`, segment s from seg_start(s) to seg_end(s). A group
 // start p > 0 belongs to the segment it ends. With a lead weight (Cfg::kPassOneLead, in
 // eighths of a segment; 0: none) segment 0 walks from the true start and is that much
-// longer: lead = ceil(cover x w / (w + 8 (P - 1))); without, lead = pspan.
+// longer: lead = ceil(cover x w / (w + 8 (P - 1))); without, lead = pspan. from_x0: there
+// is a lead (w > 0), whatever its length.
 struct PassOneSegments {
   int nc, G, P, span, cover, lead, pspan;
-  __device__ __forceinline__ PassOneSegments(int nc_, int G_, int P_, int w = 0) : nc(nc_), G(G_), P(P_) {
+  bool from_x0;
+  __device__ __forceinline__ PassOneSegments(int nc_, int G_, int P_, int w = 0)
+      : nc(nc_), G(G_), P(P_), from_x0(w > 0) {
     span = max(1, (nc + G - 1) / G);
     cover = min(nc, (G - 1) * span);
     if (w > 0 && P > 1) {
@@ -1044,9 +1047,10 @@ struct ScanItem {
   bool next_x;
 };
 
-// Fills items (one thread) and returns their count. With a lead (Cfg::kPassOneLead)
-// segment 0's items, the first *num_lead, hold the true state in B already.
-__device__ inline int scan_items(const PassOneSegments& seg, bool lead, ScanItem* items, int* num_lead) {
+// Fills items (one thread) and returns their count. With a lead (seg.from_x0) segment 0's
+// items, the first *num_lead, hold the true state in B already.
+__device__ inline int scan_items(const PassOneSegments& seg, ScanItem* items, int* num_lead) {
+  const bool lead = seg.from_x0;
   if (seg.P >= seg.G - 1) {
     for (int g = 1; g < seg.G; ++g) items[g - 1] = ScanItem{static_cast<int16_t>(g - 1), static_cast<int16_t>(g), true};
     *num_lead = lead && seg.G > 1 ? 1 : 0;
@@ -1094,7 +1098,7 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
   if (tid == 0) {
     const PassOneSegments seg = pass_one_units<Cfg>(a.chunk_offsets[n + 1] - a.chunk_offsets[n], a.num_groups,
                                                     a.num_segments);
-    num_items = scan_items(seg, Cfg::kPassOneLead > 0, items, &num_lead);
+    num_items = scan_items(seg, items, &num_lead);
   }
   __syncthreads();
   // the R tiles: TPG per item after the lead items (which take B as it is)
