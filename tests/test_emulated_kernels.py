@@ -750,16 +750,18 @@ def test_group_scan_at_head_dim_128(target, monkeypatch):
 
 
 @needs_clang
-@pytest.mark.parametrize("head_dim, block_width, swizzle, paired, lead", [
-    (64, 32, False, True, 11), (64, 32, True, False, 0), (64, 64, False, False, 11), (128, 128, False, True, 11)])
-def test_pass_one_over_merged_chunk_pairs(head_dim, block_width, swizzle, paired, lead, monkeypatch):
+@pytest.mark.parametrize("head_dim, block_width, swizzle, paired, lead, io", [
+    (64, 32, False, True, 11, "bf16"), (64, 32, True, False, 0, "bf16"), (64, 64, False, False, 11, "fp16"),
+    (128, 128, False, True, 11, "bf16")])
+def test_pass_one_over_merged_chunk_pairs(head_dim, block_width, swizzle, paired, lead, io, monkeypatch):
     """Pass one over merged pairs of chunk-16 chunks (PASS_ONE_MERGE: chunks of 32 built in
     LDS as they land, pass two and the scan at 16 with group spans of whole pairs), sm_90:
     outputs and end states of the grouped walk against the float64 reference and the
     single walk, with u read and u formed from v, in one segment per group and in fewer,
     paired and unpaired, with and without the lead segment, padded and swizzled tiles.
     Sequences of an odd chunk count, a last pair of one partial chunk, a pair whose second
-    chunk holds one token, and one chunk alone; outputs and the workspace poisoned."""
+    chunk holds one token, and one chunk alone; bf16 and fp16; outputs and the workspace
+    poisoned."""
     from kdagen.render import render
 
     monkeypatch.setenv("KDAGEN_POISON", "1")
@@ -768,10 +770,13 @@ def test_pass_one_over_merged_chunk_pairs(head_dim, block_width, swizzle, paired
     monkeypatch.setattr(resources, "PASS_ONE_LEAD", lead)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
     C, D, H = 16, head_dim, 2
-    kern = emulated(head_dim=D, chunk_size=C, block_width=block_width, gate="lower_bound", target="sm_90")
+    kern = emulated(head_dim=D, chunk_size=C, block_width=block_width, gate="lower_bound", target="sm_90",
+                    io_dtype=io)
     src = render(kern.spec).files["kernels.hip"]
     assert "kPassOneMerge = true;" in src and f"kPassOnePaired = {'true' if paired else 'false'};" in src
-    x = make_inputs([C * 9 + 5, C * 6 + 1, 7, C * 4], H, D, device="cpu", gate="lower_bound", seed=D + 61)
+    dtype = torch.float16 if io == "fp16" else torch.bfloat16
+    x = make_inputs([C * 9 + 5, C * 6 + 1, 7, C * 4], H, D, dtype=dtype, device="cpu", gate="lower_bound",
+                    seed=D + 61)
     N = x.cu_seqlens.numel() - 1
     init = torch.randn(N, H, D, D, generator=torch.Generator().manual_seed(9)) * 0.1
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
