@@ -222,10 +222,11 @@ PASS_ONE_LEAD = 11
 # built in LDS from pairs of the prologue's as they land (reference.merge_chunk_pairs), so
 # the per-chunk work of a step (the state's decay and bf16 conversion, the barrier, the
 # copies' issue) comes once per 32 tokens, with the merge's products (M = w2 kg1^T, M w1,
-# M akk1: about 22 HMMA a wave per pair) beside the walk's. Static sm_90a SASS (session
-# 22): pass one's loop body per 16-token chunk 415 at c16 against 591 per 32-token chunk
-# at c32 (-29% per token before the merge). Pass two and the scan stay at chunk 16 with
-# group spans of whole pairs. Off until timed (scripts/chunk32_ab.sh and an A/B of this).
+# M akk1: about 20 HMMA a wave per pair) beside the walk's. Static sm_90a SASS of pass
+# one's loop (session 23, d128 / bv128, u from v): 772 instructions per 32 tokens against
+# 2 x 440 at chunk 16 (-12%; the native chunk-32 walk: 593), no spills. Pass two and the
+# scan stay at chunk 16 with group spans of whole pairs. Off until timed
+# (scripts/chunk32_ab.sh, part merge).
 PASS_ONE_MERGE = False
 
 

@@ -947,6 +947,11 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         if constexpr (Cfg::kStageUO) store_o();
       }
 
+      // (merged pairs: pair c + 1's rows, before the state update, whose independent products
+      // then cover the merge's last latencies; M's registers are free again for it)
+      if constexpr (Lay::kMerge) {
+        if (merge_next) merge_rows(m_next, st_next, pair_of(c + 1));
+      }
       // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
@@ -964,9 +969,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
           mma::mma<Io>(S[kt], va[ct], kb);
           if constexpr (kTwo) mma::mma<Io>(S1[kTwo ? kt : 0], va1[kTwo ? ct : 0], kb);
         }
-      }
-      if constexpr (Lay::kMerge) {
-        if (merge_next) merge_rows(m_next, st_next, pair_of(c + 1));
       }
     }
     // ---- mid-prefill checkpoint: the state after the first ck_tokens tokens ----------------
