@@ -30,8 +30,9 @@ run env KDAGEN_GROUPS=8 bash scripts/ab_variants.sh "1x32768:32 lower_bound 16 1
   merge:PASS_ONE_MERGE=True
 run env KDAGEN_AB_KEEP=1 bash scripts/ab_variants.sh "1x131072:8 lower_bound 16 128" c16g8: \
   merge:PASS_ONE_MERGE=True
-run bash -c "source scripts/carried_wheels.sh && python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_gpu_kernels.py -k merged_chunk_pairs"
+# (the merged variant as the A/B built it: its cache holds the same build)
+run bash -c "source scripts/carried_wheels.sh && KDAGEN_CACHE_DIR=/tmp/kdagen-ab/merge/cache \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k merged_chunk_pairs"
 exit 0
 fi
 run env KDAGEN_AB_KEEP=1 bash scripts/ab_variants.sh "8x4096:32 lower_bound 16 128" c16g8:
