@@ -165,20 +165,9 @@ def pass_one_footprint(
                            stage_uo, wgmma, swizzle, outputs=False)
 
 
-def pass_one_merge_footprint(
-    head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
-    stages: int = 3, swizzle: bool = False,
-) -> Footprint:
-    """``pass_one_footprint`` of pass one over merged pairs of ``chunk_size`` chunks
-    (``pass_one_merge_stages``): its tiles at twice the chunk, u / o staged, and per stage
-    chunk 2's raw w rows, chunk 1's raw kg_t columns and chunk 2's decay."""
-    return _walk_footprint(head_dim, 2 * chunk_size, block_width, io_dtype, wave_size, stages,
-                           True, False, swizzle, outputs=False, merged=True)
-
-
 def _walk_footprint(head_dim: int, chunk_size: int, block_width: int, io_dtype: str,
                     wave_size: int, stages: int, stage_uo: bool, wgmma: bool, swizzle: bool,
-                    outputs: bool, merged: bool = False) -> Footprint:
+                    outputs: bool) -> Footprint:
     c, d = chunk_size, head_dim
     swizzle = swizzle and not wgmma  # (the warpgroup walk's tiles are core-matrix tiles)
     pad = 0 if wgmma or swizzle else PAD_16BIT
@@ -186,11 +175,8 @@ def _walk_footprint(head_dim: int, chunk_size: int, block_width: int, io_dtype: 
     elems = (2 if outputs else 1) * c * (d + pad) + d * (c + pad) + (c * (c + pad) if outputs else 0)
     if stage_uo:
         elems += c * (block_width + pad_uo) + c * (c + pad)
-    if merged:  # (c is the merged chunk: raw rows and columns of half of it)
-        elems += (c // 2) * (d + pad) + d * (c // 2 + pad)
     waves = block_width // 16
-    vectors = 2 if merged else 1  # fp32 decays
-    return Footprint(waves * wave_size, stages * (elems * IO_BYTES[io_dtype] + vectors * d * 4))
+    return Footprint(waves * wave_size, stages * (elems * IO_BYTES[io_dtype] + d * 4))
 
 
 # Chunks the scan buffers where it has asynchronous copies: 2 (one in flight ahead of the
@@ -218,17 +204,6 @@ PASS_ONE_STAGES = 3
 # 1.564 ms at 11. A lead step costs ~0.72 of a paired one, so the balance is 8 / 0.72: 11.
 PASS_ONE_LEAD = 11
 
-# Pass one over merged chunk pairs (chunk.h MergedPairs): at chunk 16 it walks chunks of 32
-# built in LDS from pairs of the prologue's as they land (reference.merge_chunk_pairs), so
-# the per-chunk work of a step (the state's decay and bf16 conversion, the barrier, the
-# copies' issue) comes once per 32 tokens, with the merge's products (M = w2 kg1^T, M w1,
-# M akk1: about 20 HMMA a wave per pair) beside the walk's. Static sm_90a SASS of pass
-# one's loop (session 23, d128 / bv128, u from v): 772 instructions per 32 tokens against
-# 2 x 440 at chunk 16 (-12%; the native chunk-32 walk: 593), no spills. Pass two and the
-# scan stay at chunk 16 with group spans of whole pairs. Off until timed
-# (scripts/chunk32_ab.sh, part merge).
-PASS_ONE_MERGE = False
-
 
 @dataclass(frozen=True)
 class ChunkPlan:
@@ -242,11 +217,6 @@ class ChunkPlan:
     pass_one_paired: bool = False  # pass one's state and transfer rows in one block (pass_one_paired)
     swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (chunk_swizzle)
     walk_paired: bool = False  # the single walk and pass two with two 16-row tiles a wave (walk_paired)
-    pass_one_merge_stages: int = 0  # pass one over merged chunk pairs, its stages; 0: off
-
-    @property
-    def pass_one_merge(self) -> bool:
-        return self.pass_one_merge_stages > 0
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -371,29 +341,12 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         one = lambda st: pass_one_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
                                             st, True, wg, swizzle).shared_mem <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
-        paired = pass_one_paired(chunk_size, wave_size) and not wg
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
-        return ChunkPlan(stages, True, blocks, wg, one_stages, paired, swizzle and not wg,
-                         walk_paired(chunk_size, block_width, wave_size, wg),
-                         pass_one_merge_stages(head_dim, chunk_size, block_width, io_dtype, wave_size,
-                                               shared_mem if paired else limit, wg, swizzle))
+        return ChunkPlan(stages, True, blocks, wg, one_stages,
+                         pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
+                         walk_paired(chunk_size, block_width, wave_size, wg))
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1,
                      pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle)
-
-
-def pass_one_merge_stages(head_dim: int, chunk_size: int, block_width: int, io_dtype: str,
-                          wave_size: int, limit: int, wgmma: bool = False,
-                          swizzle: bool = False) -> int:
-    """Stages of pass one over merged chunk pairs (PASS_ONE_MERGE), 0 where it is off: at
-    chunk 16 with the per-wave products, the most stages from 3 (a pair is merged during
-    the step before its own: it lands one step earlier) up to PASS_ONE_STAGES that fit
-    ``limit`` bytes (the whole compute unit's for the paired pass one, which runs alone)."""
-    if not PASS_ONE_MERGE or chunk_size != 16 or wgmma:
-        return 0
-    fits = [st for st in range(3, max(3, PASS_ONE_STAGES) + 1)
-            if pass_one_merge_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size, st,
-                                        swizzle).shared_mem <= limit]
-    return max(fits, default=0)
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

@@ -34,8 +34,6 @@ EMULATED = ("tests/test_emulated_kernels.py",)
 # the CPU tests without emulation or compilers (~30 s)
 # (not tests/test_mutants.py: it fails on any mutated tree, by design)
 FAST = ("tests", "-m", "not emulate and not compile and not gpu", "--ignore=tests/test_mutants.py")
-# the emulated tests of pass one over merged chunk pairs (PASS_ONE_MERGE is off by default)
-MERGED = ("tests/test_emulated_kernels.py", "-k", "merged_chunk_pairs")
 
 
 @dataclass(frozen=True)
@@ -149,27 +147,6 @@ MUTANTS = [
            "int segment_of(int p) const { return p < lead ? 0 : 1 + (p - lead - 1) / pspan; }",
            "a group start at the lead segment's end counted in the next segment",
            ("tests/test_emulated_kernels.py", "-k", "every_group_count")),
-    # ---- pass one over merged chunk pairs (chunk.h, PASS_ONE_MERGE) ------------------------
-    Mutant("merge-w-without-m-w1", f"{INC}/chunk.h",
-           "minus_m_times(p, mma::load_b_smem_kn_at(WBlock{st.Ws, 0, 16 * kt}));",
-           "(void)p;",
-           "chunk 2's w rows are not corrected by chunk 1's (w2 D1 in place of w2 D1 - M w1)", MERGED),
-    Mutant("merge-akk-block-positive", f"{INC}/chunk.h",
-           "minus_m_times(p, mma::load_b_smem_kn_at(CBlock{st.Ak, 0, 0}));",
-           "minus_m_times(p, mma::neg(mma::load_b_smem_kn_at(CBlock{st.Ak, 0, 0})));",
-           "akk's merged block is +M akk1 (u2 + M u1)", MERGED),
-    Mutant("merge-decay-not-multiplied", f"{INC}/chunk.h",
-           "st.Ds[16 * kt + lane_id()] *= st.D2s[16 * kt + lane_id()];",
-           "st.Ds[16 * kt + lane_id()] += st.D2s[16 * kt + lane_id()];",
-           "the pair's decay is D1 + D2, not D1 D2", MERGED),
-    Mutant("merge-kg1-undecayed", f"{INC}/chunk.h",
-           "const float f = two ? st.D2s[k] : 1.0f;",
-           "const float f = 1.0f;",
-           "chunk 1's kg columns miss chunk 2's decay", MERGED),
-    Mutant("merge-m-first-slice", f"{INC}/chunk.h",
-           "if constexpr (Lay::kMerge) merge_m(m_next, st_next, kt);",
-           "if constexpr (Lay::kMerge) if (kt > 0) merge_m(m_next, st_next, kt);",
-           "M = w2 kg1^T leaves out the first k-slice (pairs after the walk's first)", MERGED),
     # ---- prologue (prologue.h) ------------------------------------------------------------
     Mutant("conv-taps-reversed", f"{INC}/prologue.h",
            "acc += a.conv_weight[ch * W + j] * x;",

@@ -275,39 +275,6 @@ def test_group_scan_rows_of_every_plane_count(heads, record):
         assert rel_err(o, o_ref) < BF16_TOL and rel_err(s, s_ref) < BF16_TOL, (rows, g, seg)
 
 
-@pytest.mark.parametrize("deferred", [False, True])
-@pytest.mark.parametrize("strong", [False, True])
-def test_pass_one_over_merged_chunk_pairs(deferred, strong, monkeypatch, record):
-    """Pass one over merged pairs of chunk-16 chunks (resources.PASS_ONE_MERGE, off by
-    default until timed): grouped walks (one segment per group and fewer, the lead) against
-    the single walk and the token recurrence, u read and u formed from v with akk, odd
-    chunk counts and a lone partial chunk, with and without strong gate decay; outputs
-    poisoned."""
-    from kdagen import resources
-
-    monkeypatch.setattr(resources, "PASS_ONE_MERGE", True)
-    kern = kernels(head_dim=128, chunk_size=16, block_width=128, gate="lower_bound")
-    x = make_inputs([16 * 301 + 5, 16 * 40 + 1, 7, 16 * 64], 4, 128, gate="lower_bound",
-                    strong_decay=strong, seed=71 + strong)
-    N = x.cu_seqlens.numel() - 1
-    init = torch.randn(N, 4, 128, 128, device=DEV) * 0.1
-    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
-                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
-    p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=deferred)
-    third = x.v if deferred else p["u"]
-    walk = lambda g, seg=None: kern.fused_kda_chunk(
-        p["qg"], p["w"], third, p["kg_t"], p["aqk"], p["decay"], torch.full_like(p["qg"], float("nan")),
-        None, x.cu_seqlens, init, True, groups=g, segments=seg, akk=p.get("akk"))
-    base_o, base_s = walk(1)
-    assert rel_err(base_o, o_ref) < BF16_TOL and rel_err(base_s, s_ref) < BF16_TOL
-    for g, seg in ((2, None), (4, None), (8, None), (8, 3), (16, 5), (32, None), (32, 1)):
-        o, s = walk(g, seg)
-        record(groups=g, segments=seg, out_vs_single=rel_err(o, base_o), state_vs_single=rel_err(s, base_s),
-               out_vs_ref=rel_err(o, o_ref), state_vs_ref=rel_err(s, s_ref))
-        assert rel_err(o, base_o) < 1e-2 and rel_err(s, base_s) < 1e-2, (g, seg)
-        assert rel_err(o, o_ref) < BF16_TOL and rel_err(s, s_ref) < BF16_TOL, (g, seg)
-
-
 # ---- paged state cache and checkpoints --------------------------------------------------------
 
 

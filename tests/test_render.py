@@ -147,9 +147,6 @@ def test_default_constexprs():
         "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
         "kPassOnePaired": "false",  # resources.pass_one_paired: on (v21), but not at c64 on wave32 (spills)
         "kPassOneLead": str(resources.PASS_ONE_LEAD),  # pass one's segment 0 from X_0 (eighths of a segment)
-        "kPassOneMerge": "false",  # resources.PASS_ONE_MERGE: off (untimed), and chunk 16 only
-        "kPassOneMergeStages": "0",
-        "kMergedPairs": "false",  # (pass one's MergedPairs<Config> sets it)
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
         "kWalkPaired": "false",  # resources.walk_paired: on (v22), at chunk 16 only
         "kPad16": str(resources.PAD_16BIT),
@@ -194,27 +191,6 @@ def test_pass_one_stages_take_the_most_that_fit_up_to_the_constant(monkeypatch):
     assert resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 233472, 1024).stages_of_pass_one == 2
     gfx = resources.chunk_plan(128, 64, 128, "bf16", 64, 65536, False)
     assert gfx.stages_of_pass_one == gfx.stages == 1  # no asynchronous copies: one stage
-
-
-def test_pass_one_merge_takes_chunk_16_with_async_copies_where_it_fits(monkeypatch):
-    """PASS_ONE_MERGE (off by default) renders pass one over merged chunk pairs only at
-    chunk 16 on a target with asynchronous copies, with at least three stages (a pair is
-    merged during the step before its own) and as many as PASS_ONE_STAGES where they fit:
-    the paired pass one runs alone on its compute unit, the unpaired one in its share of
-    it (at d128 / bv128 three merged stages of 41.7 KB do not fit half an H100 SM)."""
-    assert constexprs(kernels({"chunk_size": 16}))["kPassOneMerge"] == "false"
-    monkeypatch.setattr(resources, "PASS_ONE_MERGE", True)
-    c = constexprs(kernels({"chunk_size": 16}))
-    assert (c["kPassOneMerge"], c["kPassOneMergeStages"], c["kMergedPairs"]) == ("true", "3", "false")
-    assert resources.pass_one_merge_footprint(128, 16, 128, "bf16", 32, 1).shared_mem == 41728
-    assert constexprs(kernels({"chunk_size": 32}))["kPassOneMerge"] == "false"
-    for target in ("gfx90a", "gfx942", "gfx950"):  # no asynchronous copies: one stage
-        assert constexprs(kernels({"chunk_size": 16, "target": target}))["kPassOneMerge"] == "false"
-    monkeypatch.setattr(resources, "PASS_ONE_PAIRED", False)
-    assert resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 233472, 1024).pass_one_merge_stages == 0
-    monkeypatch.setattr(resources, "PASS_ONE_PAIRED", True)
-    monkeypatch.setattr(resources, "PASS_ONE_STAGES", 4)
-    assert resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 233472, 1024).pass_one_merge_stages == 4
 
 
 @pytest.mark.parametrize("target, stages, uo", [

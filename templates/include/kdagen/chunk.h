@@ -63,15 +63,9 @@ struct ChunkLayout {
   // > 1: kStages - 1 chunks load ahead of this one (pass one, without outputs, its own count)
   static constexpr int kStages = kOutputs ? Cfg::kChunkStages : Cfg::kChunkStagesPassOne;
   static constexpr bool kAkkTile = kAkk && Cfg::kStageUO;
-  // Cfg::kMergedPairs (pass one over merged chunk pairs): chunk 2's raw w rows (CS x D) and
-  // chunk 1's raw kg_t columns (D x CS), and chunk 2's decay, beside the merged tiles
-  static constexpr bool kMerge = Cfg::kMergedPairs;
-  static constexpr int CS = kMerge ? C / 2 : C;  // the prologue's chunk
-  static constexpr int LDK = CS + kPad;           // raw kg_t columns [D][LDK]
   static constexpr int kElems = (kOutputs ? 2 : 1) * C * LDW + D * LDC + (kOutputs ? C * LDC : 0) +
-                                (kAkkTile ? C * LDC : 0) + (Cfg::kStageUO ? C * LDU : 0) +
-                                (kMerge ? CS * LDW + D * LDK : 0);
-  static constexpr int kStageBytes = kElems * 2 + (kMerge ? 2 : 1) * D * 4;
+                                (kAkkTile ? C * LDC : 0) + (Cfg::kStageUO ? C * LDU : 0);
+  static constexpr int kStageBytes = kElems * 2 + D * 4;
   static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kThreads = (BV / (kTwoTiles ? 32 : 16)) * kWaveSize;
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
@@ -79,30 +73,7 @@ struct ChunkLayout {
   static_assert(!kWg || (BV % 64 == 0 && Cfg::kStageUO && kStages > 1),
                 "warpgroup products take 64-row warpgroups, u / o through LDS and async copies");
   static_assert(!kWg || LDW == D, "warpgroup products read the w and qg tiles as one 2C-row tile");
-  static_assert(!kMerge || (!kOutputs && !kWg && Cfg::kStageUO && kStages >= 3 && CS == 16),
-                "merged pairs: pass one of chunk 16, per-wave products, u / v through LDS, 3+ stages");
 };
-
-// Cfg::kPassOneMerge: pass one walks chunks of 2C built in LDS from pairs of the
-// prologue's C-chunks as they land (C = 16; kdagen/reference.py merge_chunk_pairs is the
-// specification). With M = w2 kg1^T (chunk 2's w rows against chunk 1's kg) and D1, D2
-// the chunks' decays, the rows of chunk 2 become w2 D1 - M w1 and akk [-M akk1, akk2]
-// (u2 - M u1 where u is read as it is), chunk 1's kg columns kg1 D2, the decay D1 D2.
-// Such a step does the per-chunk work (the state's decay and its bf16 conversion, the
-// barrier, the copies' issue) once per 32 tokens; the group starts sit on pair
-// boundaries (PassOneSegments in pairs, pass two's groups an even count of chunks).
-// MergedPairs<Cfg> is pass one's view: chunk 2C, its own stage count.
-template <class Cfg>
-struct MergedPairs : Cfg {
-  static constexpr int kChunk = 2 * Cfg::kChunk;
-  static constexpr int kChunkStagesPassOne = Cfg::kPassOneMergeStages;
-  static constexpr bool kMergedPairs = true;
-};
-template <bool kIf, class A, class B> struct IfType { using type = A; };
-template <class A, class B> struct IfType<false, A, B> { using type = B; };
-// The configuration pass one's kernels walk with.
-template <class Cfg>
-using PassOneCfg = typename IfType<Cfg::kPassOneMerge, MergedPairs<Cfg>, Cfg>::type;
 
 // kWalkPassOneSegments: pass one in segments that end between group starts (num_segments
 // < num_groups - 1); kWalkPassOne: one segment per group, each block one group's walk.
@@ -219,16 +190,6 @@ struct PassOneSegments {
   __device__ __forceinline__ int segment_of(int p) const { return p <= lead ? 0 : 1 + (p - lead - 1) / pspan; }
 };
 
-// The segments (and groups) of a sequence of nc of the prologue's chunks, in pass one's
-// chunks: pairs of them with Cfg::kPassOneMerge, whose group spans are then even counts of
-// the prologue's chunks (the walks at C scale span by kPairUnit<Cfg>).
-template <class Cfg>
-__device__ __forceinline__ PassOneSegments pass_one_units(int nc, int G, int P) {
-  return PassOneSegments(Cfg::kPassOneMerge ? (nc + 1) / 2 : nc, G, P, Cfg::kPassOneLead);
-}
-template <class Cfg>
-constexpr int kPairUnit = Cfg::kPassOneMerge && !Cfg::kMergedPairs ? 2 : 1;
-
 // The fp32 start state of (n, h): initial_state, the paged cache row, or zero.
 __device__ __forceinline__ const float* initial_plane(const ChunkArgs& a, int n, int h, int D) {
   const int64_t P = static_cast<int64_t>(D) * D;
@@ -291,9 +252,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   KDAGEN_DYNAMIC_SHARED(smem);
   // One stage: w | [qg] | kg_t | [aqk] | [akk] | [u or v, then o] | decay (qg, aqk with
   // outputs, akk with u from v). Stage b of chunk c is b = c % kStages.
-  // Merged pairs (Lay::kMerge) add chunk 2's raw w rows (W2), chunk 1's raw kg_t columns
-  // (K1) and chunk 2's decay (D2s); Ds holds chunk 1's until the merge.
-  struct Stage { uint16_t *Ws, *Qs, *KGs, *As, *Ak, *Us, *W2, *K1; float *Ds, *D2s; };
+  struct Stage { uint16_t *Ws, *Qs, *KGs, *As, *Ak, *Us; float* Ds; };
   auto stage_at = [&](int b) {
     Stage st;
     st.Ws = reinterpret_cast<uint16_t*>(smem + b * Lay::kStageBytes);
@@ -302,10 +261,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
     st.As = st.KGs + D * LDC;  // with outputs only
     st.Ak = st.As + (kOutputs ? C * LDC : 0);  // with u from v only
     st.Us = st.Ak + (Lay::kAkkTile ? C * LDC : 0);
-    st.W2 = st.Us + (Cfg::kStageUO ? C * Lay::LDU : 0);  // merged pairs only
-    st.K1 = st.W2 + (Lay::kMerge ? Lay::CS * LDW : 0);
-    st.Ds = reinterpret_cast<float*>(st.K1 + (Lay::kMerge ? D * Lay::LDK : 0));
-    st.D2s = st.Ds + D;  // merged pairs only
+    st.Ds = reinterpret_cast<float*>(st.Us + (Cfg::kStageUO ? C * Lay::LDU : 0));
     return st;
   };
   // The 16 x 16 blocks of the per-wave products' tiles, as the vendor layer reads them.
@@ -324,11 +280,9 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   const int colw = RW * wave;  // ... its first column of the u / o tile
   const bool transfer = kPassOne && !kLead && blockIdx.x * BV >= D;
   const int bos = a.cu_seqlens[n], len = a.cu_seqlens[n + 1] - bos;
-  // (nc: this walk's chunks; with merged pairs pass one's are pairs of the prologue's)
-  const int cbase = a.chunk_offsets[n], nc_prologue = a.chunk_offsets[n + 1] - cbase;
-  const PassOneSegments seg = pass_one_units<Cfg>(nc_prologue, G, a.num_segments);
-  const int nc = Lay::kMerge ? seg.nc : nc_prologue;
-  const int span = seg.span * kPairUnit<Cfg>;
+  const int cbase = a.chunk_offsets[n], nc = a.chunk_offsets[n + 1] - cbase;
+  const PassOneSegments seg(nc, G, a.num_segments, Cfg::kPassOneLead);
+  const int span = seg.span;
   const int c0 = kSegments ? seg.seg_start(g) : min(nc, g * span);
   const int c1 = kSegments ? seg.seg_end(g) : min(nc, c0 + span);
   const int last_group = nc == 0 ? 0 : (nc - 1) / span;
@@ -407,11 +361,8 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   };
 
   const int ck_tokens = (!kPassOne && a.checkpoint_offsets != nullptr) ? a.checkpoint_offsets[n] : 0;
-  // CS: the prologue's chunk (the rows of its akk / aqk, the columns of its kg_t); C / CS
-  // of its chunks make one of this walk's (2 with merged pairs)
-  constexpr int CS = Lay::CS, PAIR = C / CS;
-  const int64_t row_hd = static_cast<int64_t>(H) * D, row_hc = static_cast<int64_t>(H) * CS;
-  const int ld_hd = H * D, ld_hc = H * CS;  // the same row strides, for offsets inside a chunk
+  const int64_t row_hd = static_cast<int64_t>(H) * D, row_hc = static_cast<int64_t>(H) * C;
+  const int ld_hd = H * D, ld_hc = H * C;  // the same row strides, for offsets inside a chunk
   // u, or the raw v with akk: its own token / head strides (a view of a fused projection)
   const T* u = static_cast<const T*>(a.u.ptr);
   const int64_t u_row = a.u.token, u_head = a.u.head;
@@ -423,93 +374,22 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // The copies take the chunks in order from c0: element offsets of the next chunk to
   // load, advanced by one chunk after each (no index products in the walk).
   int64_t next_hd = (bos + static_cast<int64_t>(c0) * C) * row_hd + h * D;  // [T][H][D] tensors
-  int64_t next_hc = (bos + static_cast<int64_t>(c0) * C) * row_hc + h * CS;          // aqk [T][H][CS]
-  int64_t next_ch = (static_cast<int64_t>(cbase + PAIR * c0) * H + h) * D;           // decay [chunk][H][D]
+  int64_t next_hc = (bos + static_cast<int64_t>(c0) * C) * row_hc + h * C;  // aqk [T][H][C]
+  int64_t next_ch = (static_cast<int64_t>(cbase + c0) * H + h) * D;         // decay [chunk][H][D]
   int64_t next_u = (bos + static_cast<int64_t>(c0) * C) * u_row + h * u_head + col0;  // u or v
   int next_rows = len - c0 * C;                                             // tokens from its first row
   // One 16-byte piece per thread of each w / qg / u and kg_t tile (and of aqk, decay for
   // the first threads): the piece's offsets are fixed for the walk, only the chunk's
   // 64-bit base moves.
-  constexpr bool kOnePiece = !kWg && !Lay::kMerge && C * D / 8 == NT && C * BV / 8 == NT && D * C / 8 == NT &&
+  constexpr bool kOnePiece = !kWg && C * D / 8 == NT && C * BV / 8 == NT && D * C / 8 == NT &&
                              C * C / 8 <= NT && D / 4 <= NT;
   const int tid = threadIdx.x;
   const int pr = tid / (D / 8), pc = (tid % (D / 8)) * 8;  // w / qg / u piece: row, column
   const int p_off = pr * ld_hd + pc, p_dst = lds_index<D, LDW, kSwz>(pr, pc);
   const int p_udst = lds_index<BV, Lay::LDU, kSwz>(pr, pc), pu_off = pr * ld_u + pc;
-  const int ar = tid / (CS / 8), ac = (tid % (CS / 8)) * 8;  // aqk / akk piece (tid < C * CS / 8)
+  const int ar = tid / (C / 8), ac = (tid % (C / 8)) * 8;  // aqk piece (tid < C * C / 8)
   const int a_off = ar * ld_hc + ac, a_dst = lds_index<C, LDC, kSwz>(ar, ac);
   const int k_dst = lds_index<C, LDC, kSwz>(tid / (C / 8), (tid % (C / 8)) * 8);  // kg_t piece tid of D * C
-  // Merged pairs: the copies of chunk pair (1, 2) into stage `st` (their merge follows
-  // once they land: merge_m, merge_rows): chunk 1's w rows into the tile, chunk 2's raw
-  // into W2; chunk 2's kg_t columns into the tile's columns CS.., chunk 1's raw into K1;
-  // akk rows of chunk 1 into columns 0.., of chunk 2 into CS..; u or v rows as they are;
-  // the decays into Ds and D2s. Chunk 2's copies zero-fill where the pair is chunk 1 alone.
-  // (kPairPieces: one 16-byte piece per thread of each half tile, its offsets fixed for the
-  // walk as in kOnePiece: d128 / bv128)
-  constexpr bool kPairPieces = Lay::kMerge && CS * D / 8 == NT && CS * BV / 8 == NT && C * CS / 8 <= NT &&
-                               D / 2 <= NT;
-  const int pk_dst1 = lds_index<CS, Lay::LDK, kSwz>(tid / (CS / 8), (tid % (CS / 8)) * 8);  // kg_t piece tid
-  const int pk_dst2 = lds_index<C, LDC, kSwz>(tid / (CS / 8), CS + (tid % (CS / 8)) * 8);
-  const int pa_dst = lds_index<C, LDC, kSwz>(ar, (ar < CS ? 0 : CS) + ac);  // akk piece (tid < C * CS / 8)
-  const int pu_dst2 = lds_index<BV, Lay::LDU, kSwz>(pr + CS, pc);            // u / v rows of chunk 2
-  [[maybe_unused]] auto load_pair = [&](const Stage& st, const uint16_t* kg, int valid) {
-    const uint16_t* w = static_cast<const uint16_t*>(a.w) + next_hd;
-    const bool two = valid > CS;
-    if constexpr (kPairPieces) {
-      const bool in1 = pr < valid, in2 = pr + CS < valid;  // (zero-filled from row 0)
-      async::copy16(st.Ws + p_dst, w + (in1 ? p_off : pc), in1);
-      async::copy16(st.W2 + p_dst, w + (in2 ? CS * ld_hd + p_off : pc), in2);
-      async::copy16(st.K1 + pk_dst1, kg + 8 * tid, true);
-      async::copy16(st.KGs + pk_dst2, kg + (H * D * CS + 8 * tid), two);
-      if (!transfer) {
-        const uint16_t* v = reinterpret_cast<const uint16_t*>(u) + next_u;
-        async::copy16(st.Us + p_udst, v + (in1 ? pu_off : pc), in1);
-        async::copy16(st.Us + pu_dst2, v + (in2 ? CS * ld_u + pu_off : pc), in2);
-        if constexpr (Lay::kAkkTile) {
-          if (tid < C * CS / 8) {
-            const bool ain = ar < valid;
-            async::copy16(st.Ak + pa_dst, reinterpret_cast<const uint16_t*>(akk) + next_hc + (ain ? a_off : ac), ain);
-          }
-        }
-      }
-      if (tid < D / 4) async::copy16(st.Ds + 4 * tid, a.decay + next_ch + 4 * tid, true);
-      else if (tid < D / 2) async::copy16(st.D2s + 4 * (tid - D / 4), a.decay + next_ch + H * D + 4 * (tid - D / 4), two);
-      return;
-    }
-    copy_rows<CS, D, LDW, NT, kSwz>(st.Ws, w, ld_hd, valid);
-    copy_rows<CS, D, LDW, NT, kSwz>(st.W2, w + CS * ld_hd, ld_hd, valid - CS);
-    constexpr int KP = D * CS / 8;  // 16-byte pieces of one chunk's kg_t
-#pragma unroll
-    for (int m = 0; m < (2 * KP + NT - 1) / NT; ++m) {
-      const int e = tid + m * NT;
-      if (2 * KP % NT == 0 || e < 2 * KP) {
-        const int j = e >= KP ? 1 : 0, q = e - j * KP, k = q / (CS / 8), c = (q % (CS / 8)) * 8;
-        const uint16_t* src = kg + j * (H * D * CS) + 8 * q;
-        if (j == 0) async::copy16(st.K1 + lds_index<CS, Lay::LDK, kSwz>(k, c), src, true);
-        else async::copy16(st.KGs + lds_index<C, LDC, kSwz>(k, CS + c), src, two);
-      }
-    }
-    if (!transfer) {
-      if constexpr (Lay::kAkkTile) {
-        constexpr int AP = C * CS / 8;  // C rows of CS columns
-#pragma unroll
-        for (int m = 0; m < (AP + NT - 1) / NT; ++m) {
-          const int e = tid + m * NT;
-          if (AP % NT == 0 || e < AP) {
-            const int r = e / (CS / 8), c = (e % (CS / 8)) * 8;
-            const bool in = r < valid;
-            async::copy16(st.Ak + lds_index<C, LDC, kSwz>(r, (r < CS ? 0 : CS) + c),
-                          reinterpret_cast<const uint16_t*>(akk) + next_hc + (in ? r * ld_hc + c : c), in);
-          }
-        }
-      }
-      copy_rows<C, BV, Lay::LDU, NT, kSwz>(st.Us, reinterpret_cast<const uint16_t*>(u) + next_u, ld_u, valid);
-    }
-    copy_rows<1, D * 2, D * 2, NT>(reinterpret_cast<uint16_t*>(st.Ds),
-                                   reinterpret_cast<const uint16_t*>(a.decay + next_ch), 0, 1);
-    copy_rows<1, D * 2, D * 2, NT>(reinterpret_cast<uint16_t*>(st.D2s),
-                                   reinterpret_cast<const uint16_t*>(a.decay + next_ch + H * D), 0, two ? 1 : 0);
-  };
   // Issue the copies of the next chunk's operands into stage `st`.
   auto load_next = [&](const Stage& st) {
     const int valid = min(C, next_rows);
@@ -543,10 +423,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       next_rows -= C;
       return;
     }
-    const uint16_t* kg_src = static_cast<const uint16_t*>(a.kg_t) + next_ch * CS;  // kg_t [chunk][H][D][CS]
-    if constexpr (Lay::kMerge) {
-      load_pair(st, kg_src, valid);
-    } else {
+    const uint16_t* kg_src = static_cast<const uint16_t*>(a.kg_t) + next_ch * C;  // kg_t [chunk][H][D][C]
     copy_operand<kWg, C, D, LDW, NT, kSwz>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
     if constexpr (!kPassOne) {
       copy_operand<kWg, C, D, LDW, NT, kSwz>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
@@ -563,11 +440,10 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
     }
     copy_rows<1, D * 2, D * 2, NT>(reinterpret_cast<uint16_t*>(st.Ds),
                                    reinterpret_cast<const uint16_t*>(a.decay + next_ch), 0, 1);
-    }
     async::commit();
     next_hd += C * row_hd;
     next_hc += C * row_hc;
-    next_ch += static_cast<int64_t>(PAIR) * H * D;
+    next_ch += static_cast<int64_t>(H) * D;
     next_u += C * u_row;
     next_rows -= C;
   };
@@ -586,89 +462,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
     }
   }
 
-  // ---- merged pairs: a chunk's tiles completed in its stage (Lay::kMerge) ------------------
-  // M = w2 kg1^T accumulates one k-slice at a time (merge_m: beside chunk c - 1's own
-  // products, or all at once for the walk's first chunk); merge_rows then writes chunk 2's
-  // w rows (each wave its 16-column slices, then their decay D1 D2), akk rows (one wave) or
-  // u rows (each wave its columns), and kg1 D2 (16 bytes a thread), reading only what it
-  // does not write: the raw W2 / K1, chunk 1's rows. The barrier before chunk c's step
-  // orders it all.
-  using K1Block = TileAt<CS, Lay::LDK, kSwz, const uint16_t>;
-  [[maybe_unused]] auto merge_m = [&](mma::Acc& m, const Stage& st, int kt) {
-    const mma::Frag w2 = mma::load_a_smem_at(WBlock{st.W2, 0, 16 * kt});
-    mma::mma<Io>(m, w2, mma::load_b_smem_kn_at(K1Block{st.K1, 16 * kt, 0}));
-  };
-  [[maybe_unused]] auto merge_rows = [&](const mma::Acc& m, const Stage& st, bool two) {
-    using WOut = TileAt<D, LDW, kSwz, uint16_t>;
-    using COut = TileAt<C, LDC, kSwz, uint16_t>;
-    using UOut = TileAt<BV, Lay::LDU, kSwz, uint16_t>;
-    // -M, rounded to 16 bits once (as the prologue rounds w and akk; a second, low part
-    // of M changed no error in the tests: the rounding of kg1 D2 and of the merged rows
-    // themselves dominates)
-    const mma::Frag nm = mma::neg(mma::to_a<Io>(m));
-    auto minus_m_times = [&](mma::Acc& p, const mma::Frag& b) { mma::mma<Io>(p, nm, b); };
-    constexpr int NW = NT / kWaveSize;
-#pragma unroll
-    for (int j = 0; j < (KT + NW - 1) / NW; ++j) {  // w2 D1 - M w1, this wave's 16-column slices
-      const int kt = wave + j * NW;
-      if (KT % NW == 0 || kt < KT) {
-        mma::Acc p = mma::load_tile_at<Io>(WBlock{st.W2, 0, 16 * kt});
-        mma::for_each(p, [&](int, int d, float& x) { x *= st.Ds[16 * kt + d]; });
-        minus_m_times(p, mma::load_b_smem_kn_at(WBlock{st.Ws, 0, 16 * kt}));
-        mma::store_tile_at<Io>(p, WOut{st.Ws, CS, 16 * kt});
-      }
-    }
-    wave_sync();  // (this wave's reads of D1 are done: D1 D2 over its slices)
-    if (two && lane_id() < 16) {
-#pragma unroll
-      for (int j = 0; j < (KT + NW - 1) / NW; ++j) {
-        const int kt = wave + j * NW;
-        if (KT % NW == 0 || kt < KT) st.Ds[16 * kt + lane_id()] *= st.D2s[16 * kt + lane_id()];
-      }
-    }
-    if (!transfer) {
-      if constexpr (Lay::kAkkTile) {
-        if (wave == NW - 1) {  // akk rows of chunk 2, columns of chunk 1: -M akk1
-          mma::Acc p;
-          mma::zero(p);
-          minus_m_times(p, mma::load_b_smem_kn_at(CBlock{st.Ak, 0, 0}));
-          mma::store_tile_at<Io>(p, COut{st.Ak, CS, 0});
-        }
-      } else {  // u rows of chunk 2: u2 - M u1, this wave's columns
-        mma::Acc p = mma::load_tile_at<Io>(UBlock{st.Us, CS, colw});
-        minus_m_times(p, mma::load_b_smem_kn_at(UBlock{st.Us, 0, colw}));
-        mma::store_tile_at<Io>(p, UOut{st.Us, CS, colw});
-      }
-    }
-    constexpr int KP = D * CS / 8;  // kg1 D2 (kg1 alone without chunk 2), 16 bytes a thread
-#pragma unroll
-    for (int m2 = 0; m2 < (KP + NT - 1) / NT; ++m2) {
-      const int e = tid + m2 * NT;
-      if (KP % NT == 0 || e < KP) {
-        const int k = e / (CS / 8), cc = (e % (CS / 8)) * 8;
-        float x[8];
-        unpack8<Io>(*reinterpret_cast<const uint4*>(st.K1 + lds_index<CS, Lay::LDK, kSwz>(k, cc)), x);
-        const float f = two ? st.D2s[k] : 1.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) x[i] *= f;
-        *reinterpret_cast<uint4*>(st.KGs + lds_index<C, LDC, kSwz>(k, cc)) = pack8<Io>(x);
-      }
-    }
-  };
-  auto pair_of = [&](int cc) { return min(C, len - cc * C) > CS; };  // chunk cc holds two
-  if constexpr (Lay::kMerge) {  // the walk's first chunk, before its step
-    if (c0 < c1) {
-      async::wait<AHEAD - 1>();
-      __syncthreads();
-      const Stage s0 = stage_at(0);
-      mma::Acc m;
-      mma::zero(m);
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt) merge_m(m, s0, kt);
-      merge_rows(m, s0, pair_of(c0));
-    }
-  }
-
   int c = c0;
   for (;;) {
   // (pass one stops at each group start inside its segment: positions next_start x span)
@@ -682,13 +475,8 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
     const float* Ds = st.Ds;
 
     // ---- this chunk's operands in LDS (the next AHEAD chunks' copies in flight) -----------
-    // merged pairs: chunk c + 1 is merged during this step (its copies landed too)
-    [[maybe_unused]] const bool merge_next = Lay::kMerge && c + 1 < c1;
-    [[maybe_unused]] const Stage st_next = stage_at(SG > 1 ? (c + 1 - c0) % SG : 0);
-    [[maybe_unused]] mma::Acc m_next;
-    if constexpr (Lay::kMerge) mma::zero(m_next);
     if constexpr (SG > 1) {
-      async::wait<Lay::kMerge ? AHEAD - 2 : AHEAD - 1>();  // this thread's copies of chunk c (and c + 1) have landed
+      async::wait<AHEAD - 1>();  // this thread's copies of chunk c have landed
       if constexpr (kWg) wg::fence_async_smem();  // ... visible to the tensor cores' reads
       __syncthreads();  // everyone's have, and every reader of chunk c - 1 - LAG is done
       // refill chunk c - 1 - LAG's stage with chunk c + AHEAD
@@ -900,7 +688,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
             if constexpr (kPairV) mma::mma<Io>(o1[kPairV ? ct : 0], s1, qb);
           }
         }
-        if constexpr (Lay::kMerge) merge_m(m_next, st_next, kt);  // (a chain beside v_new's; unused past c1)
       }
       if constexpr (kApart) {
 #pragma unroll
@@ -947,11 +734,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         if constexpr (Cfg::kStageUO) store_o();
       }
 
-      // (merged pairs: pair c + 1's rows, before the state update, whose independent products
-      // then cover the merge's last latencies; M's registers are free again for it)
-      if constexpr (Lay::kMerge) {
-        if (merge_next) merge_rows(m_next, st_next, pair_of(c + 1));
-      }
       // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
@@ -1025,16 +807,15 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
 template <class Cfg, int kMode, bool kAkk = false>
 __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<Cfg, kMode>>::kThreads),
                                      (kPairedWalk<Cfg, kMode> ? 1 : Cfg::kChunkMinBlocks)) chunk_kernel(ChunkArgs a) {
-  using W = typename IfType<kIsPassOne<kMode>, PassOneCfg<Cfg>, Cfg>::type;  // (pass one: merged pairs)
   if constexpr (kIsPassOne<kMode> && Cfg::kPassOneLead > 0) {
     if (blockIdx.z % a.num_segments == 0) {  // segment (or group) 0: the lead
       // (unpaired: the blocks past V would walk its transfer rows, which nobody reads)
       if (!kPairedWalk<Cfg, kMode> && blockIdx.x * Cfg::kBlockV >= Cfg::kHeadDim) return;
-      chunk_walk<W, kMode, kAkk, true>(a);
+      chunk_walk<Cfg, kMode, kAkk, true>(a);
       return;
     }
   }
-  chunk_walk<W, kMode, kAkk, false>(a);
+  chunk_walk<Cfg, kMode, kAkk, false>(a);
 }
 
 // The scan's products of one sequence, in order: for each segment s, the group starts in
@@ -1098,8 +879,8 @@ __global__ void __launch_bounds__(Cfg::kScanThreads) group_scan_kernel(ChunkArgs
   const int v0 = blockIdx.x * ROWS;
   const int tid = threadIdx.x, c4 = tid % CG, rg = tid / CG;
   if (tid == 0) {
-    const PassOneSegments seg = pass_one_units<Cfg>(a.chunk_offsets[n + 1] - a.chunk_offsets[n], a.num_groups,
-                                                    a.num_segments);
+    const PassOneSegments seg(a.chunk_offsets[n + 1] - a.chunk_offsets[n], a.num_groups, a.num_segments,
+                              Cfg::kPassOneLead);
     num_items = scan_items(seg, items, &num_lead);
   }
   __syncthreads();

@@ -191,16 +191,13 @@ template <DType T> __device__ __forceinline__ void scale_k(Frag& b, const float*
     b.x[j] = pack1<T>(to_float<T>(static_cast<uint16_t>(b.x[j])) * fs[j]);
 }
 
-// The accumulator, rounded to T, into 16-bit LDS at at(row, col) (or p[row * ld + col]):
-// a lane's four neighbouring columns as one 64-bit store (ld a multiple of 4).
-template <DType T, class At> __device__ __forceinline__ void store_tile_at(const Acc& c, At at) {
+// The accumulator, rounded to T, into 16-bit LDS at p[row * ld + col]: a lane's four
+// neighbouring columns as one 64-bit store (ld a multiple of 4).
+template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint16_t* p, int ld) {
   i16x4 x;
 #pragma unroll
   for (int j = 0; j < 4; ++j) x[j] = pack1<T>(c.v[j]);
-  *reinterpret_cast<i16x4*>(at(lane_id() & 15, 4 * (lane_id() >> 4))) = x;
-}
-template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint16_t* p, int ld) {
-  store_tile_at<T>(c, Rows<uint16_t>{p, ld});
+  *reinterpret_cast<i16x4*>(p + (lane_id() & 15) * ld + 4 * (lane_id() >> 4)) = x;
 }
 
 // The tile transposed, through 16-bit LDS at at(col, row): store_tile_t_at rounds the
@@ -218,23 +215,11 @@ __device__ __forceinline__ Frag neg(Frag f) {
   return f;
 }
 
-// The accumulator layout is the A layout (row l % 16, columns 4 (l / 16) ..): to_a rounds
-// to T, to_acc widens back.
 template <DType T> __device__ __forceinline__ Frag to_a(const Acc& c) {
   Frag a;
 #pragma unroll
   for (int j = 0; j < 4; ++j) a.x[j] = pack1<T>(c.v[j]);
   return a;
-}
-template <DType T> __device__ __forceinline__ Acc to_acc(const Frag& a) {
-  Acc c;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) c.v[j] = to_float<T>(static_cast<uint16_t>(a.x[j]));
-  return c;
-}
-// A 16-bit LDS tile at at(row, col) widened into the accumulator (one 64-bit load).
-template <DType T, class At> __device__ __forceinline__ Acc load_tile_at(At at) {
-  return to_acc<T>(load_a_smem_at(at));
 }
 
 template <DType T> __device__ __forceinline__ void mma(Acc& d, const Frag& a, const Frag& b) {

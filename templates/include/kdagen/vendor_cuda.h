@@ -262,18 +262,8 @@ template <DType T> __device__ __forceinline__ void scale_k(Frag& b, const float*
   }
 }
 
-// The accumulator, rounded to T, into 16-bit LDS at at(row, col) (or p[row * ld + col]):
-// neighbouring columns of a lane as one 32-bit store.
-template <DType T, class At> __device__ __forceinline__ void store_tile_at(const Acc& c, At at) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    *reinterpret_cast<uint32_t*>(at(g, 8 * h + 2 * t)) = pack2<T>(c.v[4 * h], c.v[4 * h + 1]);
-    *reinterpret_cast<uint32_t*>(at(g + 8, 8 * h + 2 * t)) = pack2<T>(c.v[4 * h + 2], c.v[4 * h + 3]);
-  }
-}
-// (the prologue's (p, ld) form keeps its own address arithmetic: as the accessor form its
-// SASS came out reordered)
+// The accumulator, rounded to T, into 16-bit LDS at p[row * ld + col]: neighbouring
+// columns of a lane as one 32-bit store.
 template <DType T> __device__ __forceinline__ void store_tile(const Acc& c, uint16_t* p, int ld) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
@@ -323,8 +313,7 @@ __device__ __forceinline__ Frag neg(Frag f) {
   return f;
 }
 
-// The accumulator layout of m16n8 is the A layout of m16n8k16: no data moves (to_a
-// rounds to T, to_acc widens back).
+// The accumulator layout of m16n8 is the A layout of m16n8k16: no data moves.
 template <DType T> __device__ __forceinline__ Frag to_a(const Acc& c) {
   Frag a;
   a.r[0] = pack2<T>(c.v[0], c.v[1]);
@@ -332,19 +321,6 @@ template <DType T> __device__ __forceinline__ Frag to_a(const Acc& c) {
   a.r[2] = pack2<T>(c.v[4], c.v[5]);
   a.r[3] = pack2<T>(c.v[6], c.v[7]);
   return a;
-}
-template <DType T> __device__ __forceinline__ Acc to_acc(const Frag& a) {
-  Acc c;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    c.v[2 * i] = to_float<T>(static_cast<uint16_t>(a.r[i] & 0xffffu));
-    c.v[2 * i + 1] = to_float<T>(static_cast<uint16_t>(a.r[i] >> 16));
-  }
-  return c;
-}
-// A 16-bit LDS tile at at(row, col) widened into the accumulator (one ldmatrix).
-template <DType T, class At> __device__ __forceinline__ Acc load_tile_at(At at) {
-  return to_acc<T>(load_a_smem_at(at));
 }
 
 template <DType T> __device__ __forceinline__ void mma(Acc& d, const Frag& a, const Frag& b) {
