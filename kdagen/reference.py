@@ -46,7 +46,6 @@ __all__ = [
     "chunk_prologue_reference",
     "chunk_scan_reference",
     "chunk_kda_reference",
-    "merge_chunk_pairs",
     "group_scan_reference",
     "causal_conv_reference",
 ]
@@ -451,82 +450,6 @@ def chunk_kda_reference(
         **ops, scale=sc, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         initial_state=initial_state, checkpoint_offsets=checkpoint_offsets,
     )
-
-
-def merge_chunk_pairs(
-    ops: dict[str, Tensor],
-    *,
-    scale: float,
-    cu_seqlens: Tensor | None = None,
-    chunk_size: int,
-) -> dict[str, Tensor]:
-    """The prologue's operands at chunk ``2C`` from those at chunk ``C``, without a
-    solve of size ``2C``: two consecutive chunks of a sequence, 1 then 2 (``C`` and
-    ``n2 <= C`` rows), walked as one. With ``M = w2 kg1ᵀ`` (``[n2, C]``) and
-    ``D1, D2`` their decays, chunk 2 sees chunk 1's state ``S1 = D1 S + kg1ᵀ v1``, so
-    ``v2 = (u2 - M u1) - (w2 D1 - M w1) S`` and ``o2 = scale (qg2 D1) S + (scale qg2
-    kg1ᵀ) v1 + aqk2 v2``:
-
-    - rows of 1 unchanged; ``w`` rows of 2: ``w2 D1 - M w1``; ``u``: ``u2 - M u1``;
-      ``qg``: ``qg2 D1`` (each ``D`` scales the K columns);
-    - ``akk`` rows of 2: ``[-M akk1, akk2]``; ``aqk`` rows of 2: ``[scale qg2 kg1ᵀ, aqk2]``;
-    - ``kg_t = [kg1 D2, kg2]`` (columns), ``decay = D1 D2``.
-
-    A chunk walk over the result equals the walk at ``C`` (and the prologue at ``2C``
-    up to rounding: ``tests/test_reference.py``). A prologue that computes chunks of
-    ``C`` and emits ``2C`` could feed the wider walk this way (docs/NOTES.md, session
-    22). ``ops`` as :func:`chunk_prologue_reference` returns them (``u`` or ``akk``)."""
-    _check_chunk_size(chunk_size)
-    C, C2 = chunk_size, 2 * chunk_size
-    T, H, K = ops["qg"].shape[1:]
-    bounds = _bounds(cu_seqlens, T)
-    ops = {name: t.to(_F64) for name, t in ops.items()}
-    out = {name: ops[name].clone() for name in ("qg", "w", "u") if name in ops}
-    nc2 = sum(-(-(e - b) // C2) for b, e in bounds)
-    dev = ops["qg"].device
-    out["kg_t"] = torch.zeros(nc2, H, K, C2, dtype=_F64, device=dev)
-    out["decay"] = torch.zeros(nc2, H, K, dtype=_F64, device=dev)
-    for name in ("aqk", "akk"):
-        if name in ops:
-            out[name] = torch.zeros(1, T, H, C2, dtype=_F64, device=dev)
-    def rows(name: str, a: int, b: int) -> Tensor:  # tokens [a, b) head-major, [H, n, *]
-        return ops[name][0, a:b].transpose(0, 1)
-
-    def put(name: str, a: int, b: int, x: Tensor, c0: int = 0) -> None:  # x [H, n, m] at column c0
-        out[name][0, a:b, :, c0:c0 + x.shape[-1]].copy_(x.transpose(0, 1))
-
-    c1 = c2 = 0
-    for bos, eos in bounds:
-        for s in range(bos, eos, C2):
-            e = min(s + C2, eos)
-            m = min(s + C, e)
-            n1, n2 = m - s, e - m
-            kg1, d1 = ops["kg_t"][c1, :, :, :n1], ops["decay"][c1]  # [H, K, n1], [H, K]
-            for name in ("aqk", "akk"):
-                if name in ops:
-                    put(name, s, m, rows(name, s, m)[..., :n1])
-            if n2 == 0:  # the sequence's last chunk of 2C holds one chunk of C
-                out["kg_t"][c2, :, :, :n1] = kg1
-                out["decay"][c2] = d1
-                c1, c2 = c1 + 1, c2 + 1
-                continue
-            kg2, d2 = ops["kg_t"][c1 + 1, :, :, :n2], ops["decay"][c1 + 1]
-            M = rows("w", m, e) @ kg1  # [H, n2, n1]
-            put("w", m, e, rows("w", m, e) * d1[:, None, :] - M @ rows("w", s, m))
-            if "u" in ops:
-                put("u", m, e, rows("u", m, e) - M @ rows("u", s, m))
-            if "akk" in ops:
-                put("akk", m, e, -(M @ rows("akk", s, m)[..., :n1]))
-                put("akk", m, e, rows("akk", m, e)[..., :n2], C)
-            qg2 = rows("qg", m, e)
-            put("aqk", m, e, scale * (qg2 @ kg1))
-            put("aqk", m, e, rows("aqk", m, e)[..., :n2], C)
-            put("qg", m, e, qg2 * d1[:, None, :])
-            out["kg_t"][c2, :, :, :n1] = kg1 * d2[:, :, None]
-            out["kg_t"][c2, :, :, C:C + n2] = kg2
-            out["decay"][c2] = d1 * d2
-            c1, c2 = c1 + 2, c2 + 1
-    return out
 
 
 def group_scan_reference(

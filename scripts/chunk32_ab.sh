@@ -5,6 +5,7 @@
 # and at chunk 32 (4 and 8 groups at 1x32768x32; the single walk at 8x4096x32), built
 # from this tree. Compare pass one + scan + pass two, and the single walk; the prologue
 # column at 32 is the native chunk-32 prologue's, not the proposed one.
+# Ran in session 23 (H200): chunk 32 is slower in every kernel (docs/BENCHMARKS.md).
 #
 #   bash scripts/chunk32_ab.sh     (on the GPU; appends to $OUT/chunk32_ab.log as it goes)
 set -uo pipefail

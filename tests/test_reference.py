@@ -22,7 +22,6 @@ from kdagen.reference import (
     group_scan_reference,
     kda_gate,
     l2norm,
-    merge_chunk_pairs,
     recurrent_kda_reference,
 )
 from kdagen.varlen import chunk_counts, prepare_chunk_indices, prepare_chunk_offsets
@@ -408,51 +407,6 @@ def test_prologue_structure():
                                   rtol=1e-12, atol=1e-14)
             assert torch.allclose(A @ ops["u"][0, s:e, h], b[:, h, None] * inp["v"][0, s:e, h],
                                   rtol=1e-12, atol=1e-14)
-
-
-@pytest.mark.parametrize("gate, strong", [("softplus", False), ("lower_bound", False),
-                                          ("lower_bound", True), ("softplus", True)])
-@pytest.mark.parametrize("defer_u", [False, True])
-def test_merged_chunk_pairs_are_the_wider_chunk(gate, strong, defer_u):
-    """Chunks of C merged in pairs give the prologue's operands at 2C (no solve of size
-    2C), and the walk over them gives the same output and state: full pairs, a lone
-    last chunk, a partial second chunk, sequences of 0 and 1 tokens."""
-    C = 8
-    lens = [4 * C, 3 * C - 3, C + 2, C - 1, 0, 1, 2 * C]
-    scale = 0.37
-    inp = make_inputs(lens, seed=77, gate=gate, strong=strong)
-    cu = inp["cu_seqlens"]
-    args = {k: inp[k] for k in ARGS}
-    lb = inp["lower_bound"]
-    narrow = chunk_prologue_reference(**args, scale=scale, lower_bound=lb, cu_seqlens=cu,
-                                      chunk_size=C, defer_u=defer_u)
-    wide = chunk_prologue_reference(**args, scale=scale, lower_bound=lb, cu_seqlens=cu,
-                                    chunk_size=2 * C, defer_u=defer_u)
-    merged = merge_chunk_pairs(narrow, scale=scale, cu_seqlens=cu, chunk_size=C)
-    assert sorted(merged) == sorted(wide)
-    for name, ref in wide.items():
-        assert merged[name].shape == ref.shape, name
-        assert rel(merged[name], ref) < TOL, name
-    if not defer_u:  # the walk at 2C over the merged operands is the walk at C
-        state = rand_state(len(lens), 2, 16, 16, seed=5)
-        o_c, s_c, _ = chunk_scan_reference(**narrow, scale=scale, cu_seqlens=cu, chunk_size=C,
-                                           initial_state=state)
-        o_m, s_m, _ = chunk_scan_reference(**merged, scale=scale, cu_seqlens=cu, chunk_size=2 * C,
-                                           initial_state=state)
-        assert rel(o_m, o_c) < TOL and rel(s_m, s_c) < TOL
-
-
-def test_merging_changes_rows_of_the_second_chunk():
-    """The merge is not the identity on the wider layout: a mutated M (no w1 term) is
-    far from the prologue at 2C."""
-    C = 8
-    inp = make_inputs([2 * C], seed=3)
-    args = {k: inp[k] for k in ARGS}
-    narrow = chunk_prologue_reference(**args, scale=0.5, cu_seqlens=inp["cu_seqlens"], chunk_size=C)
-    wide = chunk_prologue_reference(**args, scale=0.5, cu_seqlens=inp["cu_seqlens"], chunk_size=2 * C)
-    merged = merge_chunk_pairs(narrow, scale=0.5, cu_seqlens=inp["cu_seqlens"], chunk_size=C)
-    assert rel(merged["w"], wide["w"]) < TOL
-    assert rel(narrow["w"][0, C:], wide["w"][0, C:]) > 1e-3  # rows of chunk 2 do change
 
 
 # --------------------------------------------------------------------------- #
