@@ -217,6 +217,7 @@ class ChunkPlan:
     pass_one_paired: bool = False  # pass one's state and transfer rows in one block (pass_one_paired)
     swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (chunk_swizzle)
     walk_paired: bool = False  # the single walk and pass two with two 16-row tiles a wave (walk_paired)
+    wg_update: bool = False  # the per-wave walks' state update per warpgroup (chunk_wg_update)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -229,6 +230,22 @@ class ChunkPlan:
 # 0.636, with an L2 prefetch 0.698; docs/NOTES.md v12). The path is kept and checked by
 # the CPU emulation (tests/test_emulated_kernels.py forces it on).
 CHUNK_WGMMA = False
+
+# The per-wave walks (mma.sync products) with their state update alone as warpgroup
+# products (wgmma, sm_90a): D x 16 products of four waves' state rows at once, at twice
+# mma.sync's rate, the state staying in its registers (the same accumulator layout); the
+# v_new and o products stay per wave (N = C is small for a warpgroup). The update of a
+# chunk is retired after the next chunk's barrier, so its stage is refilled one chunk
+# later (three stages at least). Where a walk's blocks are not whole warpgroups, that
+# walk keeps the per-wave update.
+CHUNK_WG_UPDATE = False
+
+
+def chunk_wg_update(warpgroup_mma: bool, wgmma: bool, swizzle: bool) -> bool:
+    """Whether the per-wave walks update their state per warpgroup (CHUNK_WG_UPDATE): on
+    targets with warpgroup products, beside padded (not swizzled) tiles, not in the
+    warpgroup walk (whose products all are)."""
+    return CHUNK_WG_UPDATE and warpgroup_mma and not wgmma and not swizzle
 
 
 # The walk that forms u = akk v (mma.sync): u^T in accumulators of its own, a chain of
@@ -329,7 +346,8 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
     wg = (chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
           and footprint(3, True, True) <= shared_mem)
-    least = 3 if wg else 2
+    wgu = chunk_wg_update(warpgroup_mma, wg, swizzle) and async_copy
+    least = 3 if wg or wgu else 2
     if async_copy and footprint(least, True, wg) <= shared_mem:
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
         share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve
@@ -344,7 +362,7 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
         return ChunkPlan(stages, True, blocks, wg, one_stages,
                          pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
-                         walk_paired(chunk_size, block_width, wave_size, wg))
+                         walk_paired(chunk_size, block_width, wave_size, wg), wgu)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1,
                      pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle)
 

@@ -243,6 +243,12 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   constexpr int C = Lay::C, D = Lay::D, BV = Lay::BV, LDW = Lay::LDW, LDC = Lay::LDC;
   constexpr int NT = Lay::kThreads, KT = D / 16, CT = C / 16;
   constexpr bool kWg = Lay::kWg, kSwz = Lay::kSwz;
+  // Cfg::kChunkWgUpdate: the per-wave walk's state update as warpgroup products (wgmma,
+  // m64 x D x 16 per tile of four waves' rows, the accumulators the state in its mma.sync
+  // layout, the kg tile K-major in core matrices), the v_new / o products per wave as
+  // before; for blocks of whole warpgroups.
+  constexpr bool kWgU = Cfg::kChunkWgUpdate && !kWg && (NT / kWaveSize) % 4 == 0;
+  static_assert(!kWgU || !kSwz, "the warpgroup state update reads a core-matrix kg tile");
   constexpr bool kPaired = kPairedWalk<Cfg, kMode> && !kLead;
   constexpr bool kTwo = kPaired || kPairV;  // a second tile, S1
   constexpr int RW = kPairV ? 32 : 16;      // state rows per wave
@@ -342,6 +348,15 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       mma::for_each(St[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * kt + k] = -x; });
   };
 
+  // kWgU: the last state update retired (its accumulators S, S1 readable again).
+  auto settle_update = [&] {
+    if constexpr (kWgU) {
+      wg::wait<0>();
+      wg::fence_operands(S);
+      if constexpr (kTwo) wg::fence_operands(S1);
+    }
+  };
+
   // Pass one: the first group start inside the segment (a group start p > 0 belongs to the
   // segment it ends, PassOneSegments). The walk stops at each one before c1 and stores B and
   // R there (slot g' - 1); those at c1 are stored after it.
@@ -356,6 +371,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       wg::wait<0>();
       wg::fence_operands(S);
     }
+    settle_update();
     store_state(S, group_plane<Cfg>(a, transfer ? 1 : 0, slot, nh), transfer ? row0 - D : row0);  // (transfer: unpaired)
     if constexpr (kPaired) store_state(S1, group_plane<Cfg>(a, 1, slot, nh), row0);
   };
@@ -390,6 +406,8 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   const int ar = tid / (C / 8), ac = (tid % (C / 8)) * 8;  // aqk piece (tid < C * C / 8)
   const int a_off = ar * ld_hc + ac, a_dst = lds_index<C, LDC, kSwz>(ar, ac);
   const int k_dst = lds_index<C, LDC, kSwz>(tid / (C / 8), (tid % (C / 8)) * 8);  // kg_t piece tid of D * C
+  // (kWgU: piece tid of the core-matrix order, copy_tile's: row r, piece q of the [D][C] source)
+  const int k_src = kWgU ? ((tid / C) * 8 + (tid & 7)) * C + 8 * ((tid >> 3) % (C / 8)) : 8 * tid;
   // Issue the copies of the next chunk's operands into stage `st`.
   auto load_next = [&](const Stage& st) {
     const int valid = min(C, next_rows);
@@ -404,7 +422,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
           async::copy16(st.As + a_dst, static_cast<const uint16_t*>(a.aqk) + next_hc + (ain ? a_off : ac), ain);
         }
       }
-      async::copy16(st.KGs + k_dst, static_cast<const uint16_t*>(a.kg_t) + next_ch * C + 8 * tid, true);
+      async::copy16(st.KGs + (kWgU ? 8 * tid : k_dst), static_cast<const uint16_t*>(a.kg_t) + next_ch * C + k_src, true);
       if constexpr (Cfg::kStageUO) {
         if (!transfer) async::copy16(st.Us + p_udst, u + next_u + (in ? pu_off : pc), in);
       }
@@ -429,7 +447,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       copy_operand<kWg, C, D, LDW, NT, kSwz>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
       copy_operand<kWg, C, C, LDC, NT, kSwz>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
     }
-    copy_operand<kWg, D, C, LDC, NT, kSwz>(st.KGs, kg_src, C, D);
+    copy_operand<kWg || kWgU, D, C, LDC, NT, kSwz>(st.KGs, kg_src, C, D);
     if constexpr (Cfg::kStageUO) {
       if (!transfer)
         copy_rows<C, BV, Lay::LDU, NT, kSwz>(st.Us, reinterpret_cast<const uint16_t*>(u) + next_u, ld_u, valid);
@@ -452,7 +470,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // With warpgroup products the state update of chunk c is still in flight at chunk c + 1's
   // barrier (it is waited for after it): the refill then takes the stage of chunk c - 2,
   // not c - 1, so AHEAD = kStages - 1 - LAG chunks load ahead.
-  constexpr int SG = Lay::kStages, LAG = kWg ? 1 : 0, AHEAD = SG - 1 - LAG;
+  constexpr int SG = Lay::kStages, LAG = kWg || kWgU ? 1 : 0, AHEAD = SG - 1 - LAG;
   static_assert(SG == 1 || AHEAD >= 1, "the warpgroup walk takes three stages or more");
   if constexpr (SG > 1) {
 #pragma unroll
@@ -477,7 +495,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
     // ---- this chunk's operands in LDS (the next AHEAD chunks' copies in flight) -----------
     if constexpr (SG > 1) {
       async::wait<AHEAD - 1>();  // this thread's copies of chunk c have landed
-      if constexpr (kWg) wg::fence_async_smem();  // ... visible to the tensor cores' reads
+      if constexpr (kWg || kWgU) wg::fence_async_smem();  // ... visible to the tensor cores' reads
       __syncthreads();  // everyone's have, and every reader of chunk c - 1 - LAG is done
       // refill chunk c - 1 - LAG's stage with chunk c + AHEAD
       if (c + AHEAD < c1) load_next(stage_at((c + AHEAD - c0) % SG));
@@ -671,12 +689,20 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         store_o();
       }
     } else {
+      settle_update();  // the previous chunk's state update (kWgU)
 #pragma unroll
       for (int ct = 0; ct < (kPaired ? CT : 0); ++ct) mma::zero(vn1[ct]);
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
         const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
         [[maybe_unused]] const mma::Frag s1 = kTwo ? mma::to_a<Io>(S1[kTwo ? kt : 0]) : s;
+        if constexpr (kWgU) {
+          // the decay of the update, here where the slice's fp32 values are last read (not
+          // beside the warpgroup products, where ptxas would move it past their fence and
+          // serialise them)
+          mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+          if constexpr (kTwo) mma::for_each(S1[kTwo ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+        }
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
           const mma::Frag wb = mma::load_b_smem_at(WBlock{Ws, 16 * ct, 16 * kt});
@@ -735,6 +761,27 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       }
 
       // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
+      if constexpr (kWgU) {
+        // per warpgroup (the state already scaled by the decay, above): D x 16 products
+        // per tile pair, v_new^T negated by the instruction (scale-a -1); retired at the
+        // next chunk's settle_update, after its barrier (the stage of this chunk is
+        // refilled one chunk later: LAG)
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct) {
+          if constexpr (kPaired) va1[ct] = mma::to_a<Io>(vn1[ct]);
+          wg::fence_operands(va[ct]);
+          if constexpr (kTwo) wg::fence_operands(va1[kTwo ? ct : 0]);
+        }
+        wg::fence_operands(S);
+        if constexpr (kTwo) wg::fence_operands(S1);
+        wg::fence();
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct) {
+          wg::mma<D, Io, true>(S, va[ct], wg::desc(KGs, C, ct));
+          if constexpr (kTwo) wg::mma<D, Io, true>(S1, va1[kTwo ? ct : 0], wg::desc(KGs, C, ct));
+        }
+        wg::commit();
+      } else {
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         va[ct] = mma::neg(va[ct]);
@@ -752,6 +799,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
           if constexpr (kTwo) mma::mma<Io>(S1[kTwo ? kt : 0], va1[kTwo ? ct : 0], kb);
         }
       }
+      }
     }
     // ---- mid-prefill checkpoint: the state after the first ck_tokens tokens ----------------
     if (ck_tokens > 0 && (c + 1) * C == ck_tokens) {
@@ -759,6 +807,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         wg::wait<0>();
         wg::fence_operands(S);
       }
+      settle_update();
       const int row = a.checkpoint_state_indices != nullptr ? a.checkpoint_state_indices[n] : n;
       if (row >= 0 && row < a.num_checkpoint_rows) {
         float* dst = a.checkpoint_state + (static_cast<int64_t>(row) * H + h) * D * D;
@@ -781,6 +830,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
     wg::wait<0>();  // the last chunk's state update
     wg::fence_operands(S);
   }
+  settle_update();
   if constexpr (kMode == kWalkPassOne) {  // group g's end: group g + 1's start, slot g
     store_point(g);
     return;
