@@ -247,7 +247,9 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // m64 x D x 16 per tile of four waves' rows, the accumulators the state in its mma.sync
   // layout, the kg tile K-major in core matrices), the v_new / o products per wave as
   // before; for blocks of whole warpgroups.
-  constexpr bool kWgU = Cfg::kChunkWgUpdate && !kWg && (NT / kWaveSize) % 4 == 0;
+  // 1: retired in the chunk's step; 2: after the next chunk's barrier (LAG: a stage more).
+  constexpr bool kWgU = Cfg::kChunkWgUpdate > 0 && !kWg && (NT / kWaveSize) % 4 == 0;
+  constexpr bool kWgULag = kWgU && Cfg::kChunkWgUpdate == 2;
   static_assert(!kWgU || !kSwz, "the warpgroup state update reads a core-matrix kg tile");
   constexpr bool kPaired = kPairedWalk<Cfg, kMode> && !kLead;
   constexpr bool kTwo = kPaired || kPairV;  // a second tile, S1
@@ -470,7 +472,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // With warpgroup products the state update of chunk c is still in flight at chunk c + 1's
   // barrier (it is waited for after it): the refill then takes the stage of chunk c - 2,
   // not c - 1, so AHEAD = kStages - 1 - LAG chunks load ahead.
-  constexpr int SG = Lay::kStages, LAG = kWg || kWgU ? 1 : 0, AHEAD = SG - 1 - LAG;
+  constexpr int SG = Lay::kStages, LAG = kWg || kWgULag ? 1 : 0, AHEAD = SG - 1 - LAG;
   static_assert(SG == 1 || AHEAD >= 1, "the warpgroup walk takes three stages or more");
   if constexpr (SG > 1) {
 #pragma unroll
@@ -763,9 +765,10 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
       if constexpr (kWgU) {
         // per warpgroup (the state already scaled by the decay, above): D x 16 products
-        // per tile pair, v_new^T negated by the instruction (scale-a -1); retired at the
-        // next chunk's settle_update, after its barrier (the stage of this chunk is
-        // refilled one chunk later: LAG)
+        // per tile pair, v_new^T negated by the instruction (scale-a -1); retired here, or
+        // (kWgULag) at the next chunk's settle_update, after its barrier (the stage of this
+        // chunk is then refilled one chunk later: LAG; ptxas serialises the products then,
+        // C7515)
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
           if constexpr (kPaired) va1[ct] = mma::to_a<Io>(vn1[ct]);
@@ -781,6 +784,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
           if constexpr (kTwo) wg::mma<D, Io, true>(S1, va1[kTwo ? ct : 0], wg::desc(KGs, C, ct));
         }
         wg::commit();
+        if constexpr (!kWgULag) settle_update();
       } else {
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
