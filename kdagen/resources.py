@@ -239,7 +239,7 @@ CHUNK_WGMMA = False
 # stage is refilled one chunk later (three stages at least; ptxas serialises the products
 # then: C7515). Where a walk's blocks are not whole warpgroups, that walk keeps the
 # per-wave update.
-CHUNK_WG_UPDATE = 0
+CHUNK_WG_UPDATE = 1
 
 
 def chunk_wg_update(warpgroup_mma: bool, wgmma: bool, swizzle: bool) -> int:
