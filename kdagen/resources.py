@@ -217,7 +217,7 @@ class ChunkPlan:
     pass_one_paired: bool = False  # pass one's state and transfer rows in one block (pass_one_paired)
     swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (chunk_swizzle)
     walk_paired: bool = False  # the single walk and pass two with two 16-row tiles a wave (walk_paired)
-    wg_update: int = 0  # the per-wave walks' state update per warpgroup (chunk_wg_update): 0 off, 1, 2
+    wg_update: bool = False  # the per-wave walks' state update per warpgroup (chunk_wg_update)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -233,20 +233,22 @@ CHUNK_WGMMA = False
 
 # The per-wave walks (mma.sync products) with their state update alone as warpgroup
 # products (wgmma, sm_90a): D x 16 products of four waves' state rows at once, at twice
-# mma.sync's rate, the state staying in its registers (the same accumulator layout); the
-# v_new and o products stay per wave (N = C is small for a warpgroup). 0: off; 1: each
-# chunk's update retired in its step; 2: retired after the next chunk's barrier, so its
-# stage is refilled one chunk later (three stages at least; ptxas serialises the products
-# then: C7515). Where a walk's blocks are not whole warpgroups, that walk keeps the
-# per-wave update.
-CHUNK_WG_UPDATE = 1
+# mma.sync's rate, the state staying in its registers (the same accumulator layout), each
+# chunk's update retired in its step; the v_new and o products stay per wave (N = C is
+# small for a warpgroup). Where a walk's blocks are not whole warpgroups, that walk keeps
+# the per-wave update. On: H200, c16 lower bound, one-call A/B (docs/NOTES.md v26): pass
+# one 0.454 -> 0.439 ms, pass two 0.441 -> 0.434 (1x32768x32, busy graph 1.573 -> 1.551),
+# the single walk 0.450 -> 0.443 (8x4096x32, 1.082 -> 1.075); outputs equal to the
+# per-wave update's. Retiring an update after the next chunk's barrier instead took a
+# stage more and ptxas serialised the products (C7515): pass one 0.546 ms.
+CHUNK_WG_UPDATE = True
 
 
-def chunk_wg_update(warpgroup_mma: bool, wgmma: bool, swizzle: bool) -> int:
-    """How the per-wave walks update their state per warpgroup (CHUNK_WG_UPDATE; 0: per
-    wave): on targets with warpgroup products, beside padded (not swizzled) tiles, not in
-    the warpgroup walk (whose products all are)."""
-    return CHUNK_WG_UPDATE if warpgroup_mma and not wgmma and not swizzle else 0
+def chunk_wg_update(warpgroup_mma: bool, wgmma: bool, swizzle: bool) -> bool:
+    """Whether the per-wave walks update their state per warpgroup (CHUNK_WG_UPDATE): on
+    targets with warpgroup products, beside padded (not swizzled) tiles, not in the
+    warpgroup walk (whose products all are)."""
+    return CHUNK_WG_UPDATE and warpgroup_mma and not wgmma and not swizzle
 
 
 # The walk that forms u = akk v (mma.sync): u^T in accumulators of its own, a chain of
@@ -347,8 +349,8 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
     wg = (chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
           and footprint(3, True, True) <= shared_mem)
-    wgu = chunk_wg_update(warpgroup_mma, wg, swizzle) if async_copy else 0
-    least = 3 if wg or wgu == 2 else 2
+    wgu = chunk_wg_update(warpgroup_mma, wg, swizzle) and async_copy
+    least = 3 if wg else 2
     if async_copy and footprint(least, True, wg) <= shared_mem:
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
         share = (cu_shared_mem or shared_mem) // blocks - block_smem_reserve

@@ -316,10 +316,10 @@ from kdagen import reference as ref, resources
 from kdagen.emulate import emulated
 from kdagen.render import render
 from kdagen.testing import make_inputs, rel_err
-resources.CHUNK_WG_UPDATE = int(sys.argv[1])  # off by default: this run forces it
+resources.CHUNK_WG_UPDATE = sys.argv[1] == "on"
 D = int(sys.argv[2])
 kern = emulated(dict(head_dim=D, chunk_size=16, block_width=D, gate="lower_bound", target="sm_90"))
-assert f"kChunkWgUpdate = {sys.argv[1]};" in render(kern.spec).files["kernels.hip"]
+assert f"kChunkWgUpdate = {'true' if sys.argv[1] == 'on' else 'false'};" in render(kern.spec).files["kernels.hip"]
 x = make_inputs([1, 15, 17, 37, 115], 2, D, device="cpu", gate="lower_bound", seed=16)
 init = torch.randn(5, 2, D, D, generator=torch.Generator().manual_seed(2)) * 0.1
 o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
@@ -336,17 +336,16 @@ print(*errs)
 
 
 @needs_clang
-@pytest.mark.parametrize("mode,head_dim", [(1, 128), (2, 128), (1, 64)])
+@pytest.mark.parametrize("mode,head_dim", [("on", 128), ("on", 64), ("off", 128)])
 def test_warpgroup_state_update_matches_the_reference(mode, head_dim, emulate_cache):
-    """The per-wave walks with their state update as warpgroup products
-    (resources.CHUNK_WG_UPDATE, off by default: 1 retires it in the step, 2 after the
-    next chunk's barrier, a stage later), in a process of its own, copies landing as late
-    as cp.async allows, workspace poisoned: the single walk, pass one per group and in
-    segments with its lead, pass two (at d128 / bv128 every walk's blocks are whole
-    warpgroups; at d64 / bv64 only pass one's, the paired walks keep the per-wave
+    """The sm_90 walks at chunk 16 with their state update as warpgroup products
+    (resources.CHUNK_WG_UPDATE, on) and without (off), in a process of its own, copies
+    landing as late as cp.async allows, workspace poisoned: the single walk, pass one per
+    group and in segments with its lead, pass two (at d128 / bv128 every walk's blocks are
+    whole warpgroups; at d64 / bv64 only pass one's, the paired walks keep the per-wave
     update). The emulation runs each product at the wait that retires it and stops on an
-    accumulator changed while its product is in flight; a stage refilled one chunk early
-    or the core-matrix kg tile's copy misplaced fail here."""
+    accumulator changed while its product is in flight; the core-matrix kg tile's copy
+    misplaced, or the update left in flight into the next step, fail here."""
     env = dict(os.environ, KDAGEN_CACHE_DIR=str(emulate_cache), KDAGEN_EMULATE_LATE_COPIES="1",
                KDAGEN_POISON="1")
     r = subprocess.run([sys.executable, "-c", WG_UPDATE, str(mode), str(head_dim)], capture_output=True,

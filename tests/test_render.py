@@ -149,7 +149,7 @@ def test_default_constexprs():
         "kPassOneLead": str(resources.PASS_ONE_LEAD),  # pass one's segment 0 from X_0 (eighths of a segment)
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
         "kWalkPaired": "false",  # resources.walk_paired: on (v22), at chunk 16 only
-        "kChunkWgUpdate": "1",  # resources.CHUNK_WG_UPDATE: the state update per warpgroup, retired in the step
+        "kChunkWgUpdate": "true",  # resources.CHUNK_WG_UPDATE: the state update per warpgroup (v26)
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),

@@ -247,9 +247,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // m64 x D x 16 per tile of four waves' rows, the accumulators the state in its mma.sync
   // layout, the kg tile K-major in core matrices), the v_new / o products per wave as
   // before; for blocks of whole warpgroups.
-  // 1: retired in the chunk's step; 2: after the next chunk's barrier (LAG: a stage more).
-  constexpr bool kWgU = Cfg::kChunkWgUpdate > 0 && !kWg && (NT / kWaveSize) % 4 == 0;
-  constexpr bool kWgULag = kWgU && Cfg::kChunkWgUpdate == 2;
+  constexpr bool kWgU = Cfg::kChunkWgUpdate && !kWg && (NT / kWaveSize) % 4 == 0;
   static_assert(!kWgU || !kSwz, "the warpgroup state update reads a core-matrix kg tile");
   constexpr bool kPaired = kPairedWalk<Cfg, kMode> && !kLead;
   constexpr bool kTwo = kPaired || kPairV;  // a second tile, S1
@@ -350,15 +348,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       mma::for_each(St[kt], [&](int r, int k, float& x) { plane[static_cast<int64_t>(row + r) * D + 16 * kt + k] = -x; });
   };
 
-  // kWgU: the last state update retired (its accumulators S, S1 readable again).
-  auto settle_update = [&] {
-    if constexpr (kWgU) {
-      wg::wait<0>();
-      wg::fence_operands(S);
-      if constexpr (kTwo) wg::fence_operands(S1);
-    }
-  };
-
   // Pass one: the first group start inside the segment (a group start p > 0 belongs to the
   // segment it ends, PassOneSegments). The walk stops at each one before c1 and stores B and
   // R there (slot g' - 1); those at c1 are stored after it.
@@ -373,7 +362,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       wg::wait<0>();
       wg::fence_operands(S);
     }
-    settle_update();
     store_state(S, group_plane<Cfg>(a, transfer ? 1 : 0, slot, nh), transfer ? row0 - D : row0);  // (transfer: unpaired)
     if constexpr (kPaired) store_state(S1, group_plane<Cfg>(a, 1, slot, nh), row0);
   };
@@ -472,7 +460,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // With warpgroup products the state update of chunk c is still in flight at chunk c + 1's
   // barrier (it is waited for after it): the refill then takes the stage of chunk c - 2,
   // not c - 1, so AHEAD = kStages - 1 - LAG chunks load ahead.
-  constexpr int SG = Lay::kStages, LAG = kWg || kWgULag ? 1 : 0, AHEAD = SG - 1 - LAG;
+  constexpr int SG = Lay::kStages, LAG = kWg ? 1 : 0, AHEAD = SG - 1 - LAG;
   static_assert(SG == 1 || AHEAD >= 1, "the warpgroup walk takes three stages or more");
   if constexpr (SG > 1) {
 #pragma unroll
@@ -691,7 +679,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         store_o();
       }
     } else {
-      settle_update();  // the previous chunk's state update (kWgU)
 #pragma unroll
       for (int ct = 0; ct < (kPaired ? CT : 0); ++ct) mma::zero(vn1[ct]);
 #pragma unroll
@@ -765,10 +752,9 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       // ---- -S^T = (-S^T) Diag(decay) + (-v_new^T) kg ----------------------------------------
       if constexpr (kWgU) {
         // per warpgroup (the state already scaled by the decay, above): D x 16 products
-        // per tile pair, v_new^T negated by the instruction (scale-a -1); retired here, or
-        // (kWgULag) at the next chunk's settle_update, after its barrier (the stage of this
-        // chunk is then refilled one chunk later: LAG; ptxas serialises the products then,
-        // C7515)
+        // per tile pair, v_new^T negated by the instruction (scale-a -1), retired before
+        // the step ends. (Retired after the next chunk's barrier instead, they need a
+        // stage more and ptxas serialises them (C7515): pass one 0.454 -> 0.546 ms, H200.)
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
           if constexpr (kPaired) va1[ct] = mma::to_a<Io>(vn1[ct]);
@@ -784,25 +770,27 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
           if constexpr (kTwo) wg::mma<D, Io, true>(S1, va1[kTwo ? ct : 0], wg::desc(KGs, C, ct));
         }
         wg::commit();
-        if constexpr (!kWgULag) settle_update();
+        wg::wait<0>();
+        wg::fence_operands(S);
+        if constexpr (kTwo) wg::fence_operands(S1);
       } else {
 #pragma unroll
-      for (int ct = 0; ct < CT; ++ct) {
-        va[ct] = mma::neg(va[ct]);
-        if constexpr (kPaired) va1[ct] = mma::neg(mma::to_a<Io>(vn1[ct]));
-        if constexpr (kPairV) va1[kPairV ? ct : 0] = mma::neg(va1[kPairV ? ct : 0]);
-      }
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
-        if constexpr (kTwo) mma::for_each(S1[kTwo ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
-#pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
-          const mma::Frag kb = mma::load_b_smem_at(CBlock{KGs, 16 * kt, 16 * ct});
-          mma::mma<Io>(S[kt], va[ct], kb);
-          if constexpr (kTwo) mma::mma<Io>(S1[kTwo ? kt : 0], va1[kTwo ? ct : 0], kb);
+          va[ct] = mma::neg(va[ct]);
+          if constexpr (kPaired) va1[ct] = mma::neg(mma::to_a<Io>(vn1[ct]));
+          if constexpr (kPairV) va1[kPairV ? ct : 0] = mma::neg(va1[kPairV ? ct : 0]);
         }
-      }
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+          mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+          if constexpr (kTwo) mma::for_each(S1[kTwo ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+#pragma unroll
+          for (int ct = 0; ct < CT; ++ct) {
+            const mma::Frag kb = mma::load_b_smem_at(CBlock{KGs, 16 * kt, 16 * ct});
+            mma::mma<Io>(S[kt], va[ct], kb);
+            if constexpr (kTwo) mma::mma<Io>(S1[kTwo ? kt : 0], va1[kTwo ? ct : 0], kb);
+          }
+        }
       }
     }
     // ---- mid-prefill checkpoint: the state after the first ck_tokens tokens ----------------
@@ -811,7 +799,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         wg::wait<0>();
         wg::fence_operands(S);
       }
-      settle_update();
       const int row = a.checkpoint_state_indices != nullptr ? a.checkpoint_state_indices[n] : n;
       if (row >= 0 && row < a.num_checkpoint_rows) {
         float* dst = a.checkpoint_state + (static_cast<int64_t>(row) * H + h) * D * D;
@@ -834,7 +821,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
     wg::wait<0>();  // the last chunk's state update
     wg::fence_operands(S);
   }
-  settle_update();
   if constexpr (kMode == kWalkPassOne) {  // group g's end: group g + 1's start, slot g
     store_point(g);
     return;
