@@ -14,6 +14,10 @@
 # joined after by `kdagen bench --merge a.json,b.json --markdown ... --plot ...`.
 # The autotune choices made on the way come back as $OUT/tune/<device>.json.
 #
+# .whl/ (git-ignored) holds those wheels: `pip download -d .whl --no-deps pydantic
+# pydantic-core annotated-types typing-inspection fla-core==0.6.0`, plus pydantic-core for
+# the device's Python if it is not this machine's (`--only-binary=:all: --python-version
+# 3.12 --platform manylinux2014_x86_64`; scripts/carried_wheels.sh installs the one that fits).
 # On the device tool: run with carry [".whl"] (pydantic & co, fla-core wheels), and pass
 # KDAGEN_COMMIT=<local HEAD>: the device's copy of .git can be older than its files, and
 # the benchmark table names the commit.
