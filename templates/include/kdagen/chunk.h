@@ -686,9 +686,8 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
         [[maybe_unused]] const mma::Frag s1 = kTwo ? mma::to_a<Io>(S1[kTwo ? kt : 0]) : s;
         if constexpr (kWgU) {
-          // the decay of the update, here where the slice's fp32 values are last read (not
-          // beside the warpgroup products, where ptxas would move it past their fence and
-          // serialise them)
+          // the decay of the update, applied as soon as v_new has read the slice (the
+          // warpgroup products below take the whole state at once)
           mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
           if constexpr (kTwo) mma::for_each(S1[kTwo ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
         }
