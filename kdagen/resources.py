@@ -235,7 +235,7 @@ CHUNK_WGMMA = False
 # products (wgmma, sm_90a): D x 16 products of four waves' state rows at once, at twice
 # mma.sync's rate, the state staying in its registers (the same accumulator layout), each
 # chunk's update retired in its step; the v_new and o products stay per wave (N = C is
-# small for a warpgroup). Where a walk's blocks are not whole warpgroups, that walk keeps
+# small for a warpgroup). At chunk 16 only (chunk_wg_update). Where a walk's blocks are not whole warpgroups, that walk keeps
 # the per-wave update. On: H200, c16 lower bound, one-call A/B (docs/NOTES.md v26): pass
 # one 0.454 -> 0.439 ms, pass two 0.441 -> 0.434 (1x32768x32, busy graph 1.573 -> 1.551),
 # the single walk 0.450 -> 0.443 (8x4096x32, 1.082 -> 1.075); outputs equal to the
@@ -244,11 +244,13 @@ CHUNK_WGMMA = False
 CHUNK_WG_UPDATE = True
 
 
-def chunk_wg_update(warpgroup_mma: bool, wgmma: bool, swizzle: bool) -> bool:
-    """Whether the per-wave walks update their state per warpgroup (CHUNK_WG_UPDATE): on
-    targets with warpgroup products, beside padded (not swizzled) tiles, not in the
-    warpgroup walk (whose products all are)."""
-    return CHUNK_WG_UPDATE and warpgroup_mma and not wgmma and not swizzle
+def chunk_wg_update(chunk_size: int, warpgroup_mma: bool, wgmma: bool, swizzle: bool) -> bool:
+    """Whether the per-wave walks update their state per warpgroup (CHUNK_WG_UPDATE): at
+    chunk 16, where it was timed (at chunk 64 pass two spilled 8 bytes with it), on targets
+    with warpgroup products, beside padded (not swizzled) tiles, not in the warpgroup walk
+    (whose products all are)."""
+    return (CHUNK_WG_UPDATE and chunk_size == 16 and warpgroup_mma and not wgmma
+            and not swizzle)
 
 
 # The walk that forms u = akk v (mma.sync): u^T in accumulators of its own, a chain of
@@ -349,7 +351,7 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
     wg = (chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
           and footprint(3, True, True) <= shared_mem)
-    wgu = chunk_wg_update(warpgroup_mma, wg, swizzle) and async_copy
+    wgu = chunk_wg_update(chunk_size, warpgroup_mma, wg, swizzle) and async_copy
     least = 3 if wg else 2
     if async_copy and footprint(least, True, wg) <= shared_mem:
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)

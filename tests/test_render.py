@@ -149,7 +149,7 @@ def test_default_constexprs():
         "kPassOneLead": str(resources.PASS_ONE_LEAD),  # pass one's segment 0 from X_0 (eighths of a segment)
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
         "kWalkPaired": "false",  # resources.walk_paired: on (v22), at chunk 16 only
-        "kChunkWgUpdate": "true",  # resources.CHUNK_WG_UPDATE: the state update per warpgroup (v26)
+        "kChunkWgUpdate": "false",  # resources.chunk_wg_update: on (v26), at chunk 16 only
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -226,6 +226,21 @@ def test_chunk_plan_asks_for_two_blocks_only_where_their_lds_fits():
     short = resources.chunk_plan(128, 16, 128, "bf16", 32, 232448, True, 2 * (stage2 + 1024) - 1, 1024)
     assert (fits.stages, fits.min_blocks) == (2, 2)
     assert (short.stages, short.min_blocks) == (2, 1)  # one block still takes both stages
+
+
+@pytest.mark.parametrize("spec, on", [
+    (dict(chunk_size=16), "true"),  # timed there (v26)
+    (dict(chunk_size=16, gate="lower_bound", head_dim=64, block_width=64), "true"),
+    (dict(), "false"),  # chunk 64: pass two spilled 8 bytes with it
+    (dict(chunk_size=32), "false"),
+    (dict(chunk_size=16, target="gfx90a"), "false"),  # CDNA: no warpgroup products
+    (dict(chunk_size=16, target="gfx950"), "false"),
+])
+def test_warpgroup_state_update_at_chunk_16_on_hopper(spec, on):
+    """resources.chunk_wg_update: the walks' state update per warpgroup only where it was
+    timed (sm_90a, chunk 16); the template then takes it per walk, for blocks of whole
+    warpgroups."""
+    assert constexprs(kernels(spec))["kChunkWgUpdate"] == on
 
 
 @pytest.mark.parametrize("spec, wgmma", [
