@@ -5,7 +5,8 @@ The walk is serial in chunks; with few sequences x heads most of the GPU idles.
 Pass one runs ``2 * D / BV`` blocks per (sequence, head, group) (state rows plus
 transfer rows) for every group but the last, pass two ``D / BV`` for all. (Paired,
 ``ChunkPlan.pass_one_paired``, pass one runs half as many blocks, each alone on its
-compute unit: the same slots, so the same counts.) A group
+compute unit at bv128: the same slots, so the same group counts; its segments count its
+own blocks, of ``ChunkPlan.pass_one_width`` rows, and their residency.) A group
 count pays while a pass's grid still fits one scheduling batch (``resident`` walk blocks
 per compute unit, the launch bound's), or while the groups stay long enough that pass
 two's shorter walk is worth a second batch of pass one.
@@ -68,9 +69,11 @@ def segments_for_spec(spec, groups: int, num_seqs: int, num_heads: int, num_cus:
 
     if groups <= 1:  # the single walk: no pass one (and no chunk plan to work out per call)
         return 0
-    D, bv = spec.head_dim, spec.block_width
-    return pass_one_segments(groups, num_seqs, num_heads, num_cus, pass_one_blocks=2 * D // bv,
-                             resident=chunk_plan_for(spec).min_blocks)
+    plan = chunk_plan_for(spec)
+    D, bv1 = spec.head_dim, plan.pass_one_width or spec.block_width
+    return pass_one_segments(groups, num_seqs, num_heads, num_cus,
+                             pass_one_blocks=(1 if plan.pass_one_paired else 2) * D // bv1,
+                             resident=plan.pass_one_resident(spec.block_width))
 
 
 def groups_for_spec(spec, chunks_per_seq: int, num_seqs: int, num_heads: int, num_cus: int) -> int:

@@ -204,6 +204,17 @@ PASS_ONE_STAGES = 3
 # 1.564 ms at 11. A lead step costs ~0.72 of a paired one, so the balance is 8 / 0.72: 11.
 PASS_ONE_LEAD = 11
 
+# Pass one's blocks: this many state rows each (paired, as many transfer rows too) where it
+# divides the head dimension in 16-row tiles; 0: the spec's block width, as the other walks.
+PASS_ONE_WIDTH = 0
+
+
+def pass_one_width(head_dim: int, block_width: int) -> int:
+    """Pass one's block width (PASS_ONE_WIDTH where it divides ``head_dim`` in 16-row
+    tiles, else ``block_width``)."""
+    w = PASS_ONE_WIDTH
+    return w if 0 < w <= head_dim and w % 16 == 0 and head_dim % w == 0 else block_width
+
 
 @dataclass(frozen=True)
 class ChunkPlan:
@@ -218,10 +229,19 @@ class ChunkPlan:
     swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (chunk_swizzle)
     walk_paired: bool = False  # the single walk and pass two with two 16-row tiles a wave (walk_paired)
     wg_update: bool = False  # the per-wave walks' state update per warpgroup (chunk_wg_update)
+    pass_one_width: int = 0  # pass one's state rows per block (pass_one_width); 0: the block width
 
     @property
     def stages_of_pass_one(self) -> int:
         return self.pass_one_stages or self.stages
+
+    def pass_one_resident(self, block_width: int) -> int:
+        """Pass-one blocks resident per compute unit: the launch bound's, or for paired
+        blocks (up to 255 registers a lane) eight waves' worth: one block of eight waves
+        (bv128), two of four (bv64)."""
+        if not self.pass_one_paired:
+            return self.min_blocks
+        return max(1, 8 // max(1, (self.pass_one_width or block_width) // 16))
 
 
 # Whether the chunk scan may issue its products per warpgroup (wgmma) where the target
@@ -345,13 +365,16 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     ``chunk_min_blocks`` resident blocks where their share of the compute unit's LDS holds
     those stages (else 1), and warpgroup products where ``chunk_wgmma`` allows them;
     otherwise one stage, with u / o staged if they fit. ``swizzle``: the per-wave walk's
-    tiles unpadded with swizzled pieces (``chunk_swizzle``)."""
+    tiles unpadded with swizzled pieces (``chunk_swizzle``). Pass one's blocks take
+    ``pass_one_width`` rows."""
     footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
                                                         wave_size, st, uo, w, swizzle).shared_mem
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
     wg = (chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
           and footprint(3, True, True) <= shared_mem)
     wgu = chunk_wg_update(chunk_size, warpgroup_mma, wg, swizzle) and async_copy
+    # (the warpgroup walk's blocks are whole warpgroups: pass one keeps the block width there)
+    width_one = block_width if wg else pass_one_width(head_dim, block_width)
     least = 3 if wg else 2
     if async_copy and footprint(least, True, wg) <= shared_mem:
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
@@ -361,15 +384,16 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         limit = min(share, shared_mem)
         fits = lambda st: footprint(st, True, wg) <= limit
         stages = max(st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st))
-        one = lambda st: pass_one_footprint(head_dim, chunk_size, block_width, io_dtype, wave_size,
+        one = lambda st: pass_one_footprint(head_dim, chunk_size, width_one, io_dtype, wave_size,
                                             st, True, wg, swizzle).shared_mem <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
         return ChunkPlan(stages, True, blocks, wg, one_stages,
                          pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
-                         walk_paired(chunk_size, block_width, wave_size, wg), wgu)
+                         walk_paired(chunk_size, block_width, wave_size, wg), wgu, width_one)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1,
-                     pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle)
+                     pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle,
+                     pass_one_width=width_one)
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

@@ -712,22 +712,27 @@ def test_every_group_scan_block_matches_the_single_walk(target, head_dim, monkey
 
 
 @needs_clang
-@pytest.mark.parametrize("target, head_dim, swizzle", [("sm_90", 128, False), ("sm_90", 128, True),
-                                                      ("gfx950", 64, False)])
-def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, monkeypatch):
+@pytest.mark.parametrize("target, head_dim, swizzle, width_one", [
+    ("sm_90", 128, False, 0), ("sm_90", 128, True, 0), ("gfx950", 64, False, 0),
+    ("sm_90", 128, False, 64), ("gfx950", 64, False, 32)])
+def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, width_one, monkeypatch):
     """Pass one with its state and transfer rows in one block (PASS_ONE_PAIRED) in the
     shipped chunk-16 form (u formed from v with akk; on sm_90 the d128 / bv128 variant,
-    also with swizzled tiles): outputs and end states against the reference at 3 and 4
-    groups, outputs and the workspace poisoned."""
+    also with swizzled tiles), and in blocks narrower than the other walks'
+    (PASS_ONE_WIDTH): outputs and end states against the reference at 3 and 4 groups,
+    outputs and the workspace poisoned."""
     from kdagen.render import render
 
     monkeypatch.setenv("KDAGEN_POISON", "1")
     monkeypatch.setattr(resources, "PASS_ONE_PAIRED", True)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA", swizzle)
+    monkeypatch.setattr(resources, "PASS_ONE_WIDTH", width_one)
     C, D, H = 16, head_dim, 1
     kern = emulated(head_dim=D, chunk_size=C, gate="lower_bound", target=target)
-    assert "kPassOnePaired = true;" in render(kern.spec).files["kernels.hip"]
+    src = render(kern.spec).files["kernels.hip"]
+    assert "kPassOnePaired = true;" in src
+    assert (f"kBlockV = {width_one};" in src) == bool(width_one) and kern.spec.block_width != width_one
     x = make_inputs([C * 6 + 5, C * 3, 7], H, D, device="cpu", gate="lower_bound", seed=43)
     init = torch.randn(3, H, D, D, generator=torch.Generator().manual_seed(6)) * 0.1
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
