@@ -1192,6 +1192,27 @@ def test_pass_one_segments_fill_the_compute_units_once(monkeypatch):
         assert pass_one_segments(8, 1, 32, 132, **two) == want
 
 
+@pytest.mark.parametrize("width, blocks, resident", [(0, 1, 1), (64, 2, 2)])
+def test_pass_one_segments_count_pass_ones_own_blocks(width, blocks, resident, monkeypatch):
+    """The segments of a spec count pass one's blocks at its own width
+    (resources.PASS_ONE_WIDTH): paired blocks of 128 rows alone on an SM, of 64 rows two
+    a SM; both take 1x32768x32's 128 or 256 blocks in one batch of 4 segments."""
+    from kdagen import resources
+    from kdagen.groups import segments_for_spec
+    from kdagen.render import chunk_plan_for, render
+    from kdagen.spec import KernelSpec
+
+    monkeypatch.setattr(resources, "PASS_ONE_WIDTH", width)
+    spec = KernelSpec(head_dim=128, chunk_size=16, block_width=128, gate="lower_bound", target="sm_90")
+    plan = chunk_plan_for(spec)
+    assert plan.pass_one_paired and plan.pass_one_width == (width or 128)
+    assert (128 // plan.pass_one_width, plan.pass_one_resident(128)) == (blocks, resident)
+    assert segments_for_spec(spec, 8, 1, 32, 132) == 4
+    src = render(spec).files["kernels.hip"]
+    assert ("struct ConfigPassOne : Config" in src) == bool(width)
+    assert f"static constexpr int kBlockV = {width};" in src or not width
+
+
 def test_varlen_zero_length_sequence():
     z = torch.tensor([0, 0], dtype=I32)
     assert prepare_chunk_offsets(z, C).tolist() == [0, 0]
