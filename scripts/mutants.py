@@ -49,14 +49,9 @@ class Mutant:
 MUTANTS = [
     # ---- chunk scan (chunk.h) -------------------------------------------------------------
     Mutant("decay-neighbour", f"{INC}/chunk.h",
-           "for (int kt = 0; kt < KT; ++kt) {\n          mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });",
-           "for (int kt = 0; kt < KT; ++kt) {\n          mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[(16 * kt + k) ^ 1]; });",
-           "the walk decays each state column by its neighbour's gate"),
-    Mutant("decay-neighbour-wg", f"{INC}/chunk.h",
-           "at once)\n          mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });",
-           "at once)\n          mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[(16 * kt + k) ^ 1]; });",
-           "the walk with its state update per warpgroup decays each column by its neighbour's gate",
-           ("tests/test_emulated_kernels.py", "-k", "warpgroup_state_update")),
+           "auto decay_slice = [&](int kt) {\n      mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });",
+           "auto decay_slice = [&](int kt) {\n      mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[(16 * kt + k) ^ 1]; });",
+           "the walk decays each state column by its neighbour's gate (every form of the update)"),
     Mutant("aqk-no-diagonal-block", f"{INC}/chunk.h",
            "for (int cj = 0; cj <= ci; ++cj) {\n            const mma::Frag ab",
            "for (int cj = 0; cj < ci; ++cj) {\n            const mma::Frag ab",

@@ -560,6 +560,11 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         }
       }
     };
+    // -S^T's k-slice kt (and S1's) times the chunk's decay: Diag(decay) of the update
+    auto decay_slice = [&](int kt) {
+      mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+      if constexpr (kTwo) mma::for_each(S1[kTwo ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+    };
     // Cfg::kChunkUApart: u^T in accumulators of its own, a chain beside the (-S^T) w^T
     // one, added at the end; else (and in the warpgroup walk) v_new^T starts from it.
     constexpr bool kApart = kAkk && !kWg && Cfg::kChunkUApart;
@@ -658,8 +663,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         if constexpr (kOutputs) mma::for_each(o[ct], [&](int, int, float& x) { x *= -a.scale; });
       }
 #pragma unroll
-      for (int kt = 0; kt < KT; ++kt)
-        mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+      for (int kt = 0; kt < KT; ++kt) decay_slice(kt);
       wg::fence_operands(S);
       if constexpr (kOutputs) wg::fence_operands(o);
       wg::fence();
@@ -688,8 +692,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         if constexpr (kWgU) {
           // the decay of the update, applied as soon as v_new has read the slice (the
           // warpgroup products below take the whole state at once)
-          mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
-          if constexpr (kTwo) mma::for_each(S1[kTwo ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+          decay_slice(kt);
         }
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
@@ -781,8 +784,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         }
 #pragma unroll
         for (int kt = 0; kt < KT; ++kt) {
-          mma::for_each(S[kt], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
-          if constexpr (kTwo) mma::for_each(S1[kTwo ? kt : 0], [&](int, int k, float& x) { x *= Ds[16 * kt + k]; });
+          decay_slice(kt);
 #pragma unroll
           for (int ct = 0; ct < CT; ++ct) {
             const mma::Frag kb = mma::load_b_smem_at(CBlock{KGs, 16 * kt, 16 * ct});
