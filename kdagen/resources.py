@@ -230,6 +230,7 @@ class ChunkPlan:
     walk_paired: bool = False  # the single walk and pass two with two 16-row tiles a wave (walk_paired)
     wg_update: bool = False  # the per-wave walks' state update per warpgroup (chunk_wg_update)
     pass_one_width: int = 0  # pass one's state rows per block (pass_one_width); 0: the block width
+    pass_one_wg_vnew: bool = False  # with wg_update, pass one's v_new products per warpgroup (PASS_ONE_WG_VNEW)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -262,6 +263,13 @@ CHUNK_WGMMA = False
 # per-wave update's. Retiring an update after the next chunk's barrier instead took a
 # stage more and ptxas serialised the products (C7515): pass one 0.546 ms.
 CHUNK_WG_UPDATE = True
+
+
+# With the state update per warpgroup (CHUNK_WG_UPDATE), pass one's v_new^T = (-S^T) w^T
+# per warpgroup too: m64 x 16 x 16 products of four waves' state rows per k-slice, -S^T in
+# registers, the w tile copied K-major in core matrices; u = akk v stays per wave. Off:
+# untimed (prepared in session 25: the other half of pass one's mma.sync products).
+PASS_ONE_WG_VNEW = False
 
 
 def chunk_wg_update(chunk_size: int, warpgroup_mma: bool, wgmma: bool, swizzle: bool) -> bool:
@@ -390,7 +398,8 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
         return ChunkPlan(stages, True, blocks, wg, one_stages,
                          pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
-                         walk_paired(chunk_size, block_width, wave_size, wg), wgu, width_one)
+                         walk_paired(chunk_size, block_width, wave_size, wg), wgu, width_one,
+                         wgu and PASS_ONE_WG_VNEW)
     return ChunkPlan(1, footprint(1, True) <= shared_mem, 1,
                      pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle,
                      pass_one_width=width_one)

@@ -249,6 +249,9 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // before; for blocks of whole warpgroups.
   constexpr bool kWgU = Cfg::kChunkWgUpdate && !kWg && (NT / kWaveSize) % 4 == 0;
   static_assert(!kWgU || !kSwz, "the warpgroup state update reads a core-matrix kg tile");
+  // Cfg::kPassOneWgVnew: pass one's v_new^T = (-S^T) w^T per warpgroup too (m64 x C x 16 per
+  // k-slice, -S^T from registers, the w tile K-major in core matrices), beside that update.
+  constexpr bool kWgV = kWgU && kPassOne && Cfg::kPassOneWgVnew;
   constexpr bool kPaired = kPairedWalk<Cfg, kMode> && !kLead;
   constexpr bool kTwo = kPaired || kPairV;  // a second tile, S1
   constexpr int RW = kPairV ? 32 : 16;      // state rows per wave
@@ -392,6 +395,9 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   const int tid = threadIdx.x;
   const int pr = tid / (D / 8), pc = (tid % (D / 8)) * 8;  // w / qg / u piece: row, column
   const int p_off = pr * ld_hd + pc, p_dst = lds_index<D, LDW, kSwz>(pr, pc);
+  // (kWgV: w's piece tid of the core-matrix order, copy_tile's: row wr, column wc)
+  const int wr = (tid / D) * 8 + (tid & 7), wc = 8 * ((tid >> 3) % (D / 8));
+  const int w_off = wr * ld_hd + wc, w_dst = 8 * tid;
   const int p_udst = lds_index<BV, Lay::LDU, kSwz>(pr, pc), pu_off = pr * ld_u + pc;
   const int ar = tid / (C / 8), ac = (tid % (C / 8)) * 8;  // aqk piece (tid < C * C / 8)
   const int a_off = ar * ld_hc + ac, a_dst = lds_index<C, LDC, kSwz>(ar, ac);
@@ -404,7 +410,12 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
     if constexpr (kOnePiece) {
       const bool in = pr < valid;
       const int64_t o = next_hd + (in ? p_off : pc);  // zero-filled from row 0
-      async::copy16(st.Ws + p_dst, static_cast<const uint16_t*>(a.w) + o, in);
+      if constexpr (kWgV) {
+        const bool w_in = wr < valid;
+        async::copy16(st.Ws + w_dst, static_cast<const uint16_t*>(a.w) + next_hd + (w_in ? w_off : wc), w_in);
+      } else {
+        async::copy16(st.Ws + p_dst, static_cast<const uint16_t*>(a.w) + o, in);
+      }
       if constexpr (!kPassOne) {
         async::copy16(st.Qs + p_dst, static_cast<const uint16_t*>(a.qg) + o, in);
         if (tid < C * C / 8) {
@@ -432,7 +443,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       return;
     }
     const uint16_t* kg_src = static_cast<const uint16_t*>(a.kg_t) + next_ch * C;  // kg_t [chunk][H][D][C]
-    copy_operand<kWg, C, D, LDW, NT, kSwz>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
+    copy_operand<kWg || kWgV, C, D, LDW, NT, kSwz>(st.Ws, static_cast<const uint16_t*>(a.w) + next_hd, ld_hd, valid);
     if constexpr (!kPassOne) {
       copy_operand<kWg, C, D, LDW, NT, kSwz>(st.Qs, static_cast<const uint16_t*>(a.qg) + next_hd, ld_hd, valid);
       copy_operand<kWg, C, C, LDC, NT, kSwz>(st.As, static_cast<const uint16_t*>(a.aqk) + next_hc, ld_hc, valid);
@@ -685,8 +696,34 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
     } else {
 #pragma unroll
       for (int ct = 0; ct < (kPaired ? CT : 0); ++ct) mma::zero(vn1[ct]);
+      if constexpr (kWgV) {
+        // -S^T (and S1's) in bf16 for the whole product, then decayed for the update
+        mma::Frag sa[KT], sa1[kTwo ? KT : 1];
 #pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
+        for (int kt = 0; kt < KT; ++kt) {
+          sa[kt] = mma::to_a<Io>(S[kt]);
+          wg::fence_operands(sa[kt]);
+          if constexpr (kTwo) {
+            sa1[kTwo ? kt : 0] = mma::to_a<Io>(S1[kTwo ? kt : 0]);
+            wg::fence_operands(sa1[kTwo ? kt : 0]);
+          }
+          decay_slice(kt);
+        }
+        wg::fence_operands(vn);
+        if constexpr (kTwo) wg::fence_operands(vn1);
+        wg::fence();
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+          wg::mma<C, Io>(vn, sa[kt], wg::desc(Ws, D, kt));
+          if constexpr (kTwo) wg::mma<C, Io>(vn1, sa1[kTwo ? kt : 0], wg::desc(Ws, D, kt));
+        }
+        wg::commit();
+        wg::wait<0>();
+        wg::fence_operands(vn);
+        if constexpr (kTwo) wg::fence_operands(vn1);
+      }
+#pragma unroll
+      for (int kt = 0; kt < (kWgV ? 0 : KT); ++kt) {
         const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
         [[maybe_unused]] const mma::Frag s1 = kTwo ? mma::to_a<Io>(S1[kTwo ? kt : 0]) : s;
         if constexpr (kWgU) {
