@@ -275,6 +275,39 @@ def test_group_scan_rows_of_every_plane_count(heads, record):
         assert rel_err(o, o_ref) < BF16_TOL and rel_err(s, s_ref) < BF16_TOL, (rows, g, seg)
 
 
+@pytest.mark.parametrize("width, vnew", [(64, False), (0, True)])
+def test_pass_one_switches_match_the_single_walk(width, vnew, monkeypatch, record):
+    """Pass one's prepared forms, off by default (docs/NOTES.md, session 25): blocks of 64
+    rows (resources.PASS_ONE_WIDTH) and v_new per warpgroup (PASS_ONE_WG_VNEW, Hopper), in
+    the shipped chunk-16 lower-bound variant with u formed from v: grouped walks (pass one
+    per group and in segments with its lead) against the single walk and the token
+    recurrence, outputs and workspace poisoned."""
+    from kdagen import resources
+    from kdagen.render import render
+
+    monkeypatch.setattr(resources, "PASS_ONE_WIDTH", width)
+    monkeypatch.setattr(resources, "PASS_ONE_WG_VNEW", vnew)
+    kern = kernels(head_dim=128, chunk_size=16, gate="lower_bound")
+    src = render(kern.spec).files["kernels.hip"]
+    assert ("struct ConfigPassOne" in src) == bool(width)
+    assert ("kPassOneWgVnew = true;" in src) == (vnew and kern.spec.target == "sm_90")
+    x = make_inputs([16 * 300 + 9, 16 * 41, 7], 2, 128, gate="lower_bound", seed=37)
+    d = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=True)
+    init = torch.randn(3, 2, 128, 128, device=DEV) * 0.1
+    walk = lambda g, seg=None: kern.fused_kda_chunk(
+        d["qg"], d["w"], x.v, d["kg_t"], d["aqk"], d["decay"], torch.full_like(x.v, float("nan")), None,
+        x.cu_seqlens, init, True, groups=g, akk=d["akk"], segments=seg)
+    base_o, base_s = walk(1)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
+    for g, seg in ((4, 0), (8, None), (8, 3)):
+        o, s = walk(g, seg)
+        record(width=width, vnew=vnew, groups=g, out_vs_single=rel_err(o, base_o),
+               state_vs_single=rel_err(s, base_s), out_vs_ref=rel_err(o, o_ref), state_vs_ref=rel_err(s, s_ref))
+        assert rel_err(o, base_o) < 1e-2 and rel_err(s, base_s) < 1e-2, (g, seg)
+        assert rel_err(o, o_ref) < BF16_TOL and rel_err(s, s_ref) < BF16_TOL, (g, seg)
+
+
 # ---- paged state cache and checkpoints --------------------------------------------------------
 
 
