@@ -150,6 +150,7 @@ def test_default_constexprs():
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
         "kWalkPaired": "false",  # resources.walk_paired: on (v22), at chunk 16 only
         "kChunkWgUpdate": "false",  # resources.chunk_wg_update: on (v26), at chunk 16 only
+        "kPassOneWgVnew": "false",  # resources.PASS_ONE_WG_VNEW: prepared, untimed (session 25)
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
