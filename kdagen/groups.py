@@ -70,7 +70,7 @@ def segments_for_spec(spec, groups: int, num_seqs: int, num_heads: int, num_cus:
     if groups <= 1:  # the single walk: no pass one (and no chunk plan to work out per call)
         return 0
     plan = chunk_plan_for(spec)
-    D, bv1 = spec.head_dim, plan.pass_one_width or spec.block_width
+    D, bv1 = spec.head_dim, plan.width_of_pass_one(spec.block_width)
     return pass_one_segments(groups, num_seqs, num_heads, num_cus,
                              pass_one_blocks=(1 if plan.pass_one_paired else 2) * D // bv1,
                              resident=plan.pass_one_resident(spec.block_width))

@@ -236,13 +236,17 @@ class ChunkPlan:
     def stages_of_pass_one(self) -> int:
         return self.pass_one_stages or self.stages
 
+    def width_of_pass_one(self, block_width: int) -> int:
+        """Pass one's state rows per block for a spec of ``block_width``."""
+        return self.pass_one_width or block_width
+
     def pass_one_resident(self, block_width: int) -> int:
         """Pass-one blocks resident per compute unit: the launch bound's, or for paired
         blocks (up to 255 registers a lane) eight waves' worth: one block of eight waves
         (bv128), two of four (bv64)."""
         if not self.pass_one_paired:
             return self.min_blocks
-        return max(1, 8 // max(1, (self.pass_one_width or block_width) // 16))
+        return max(1, 8 // max(1, self.width_of_pass_one(block_width) // 16))
 
 
 # Whether the chunk scan may issue its products per warpgroup (wgmma) where the target
@@ -256,8 +260,9 @@ CHUNK_WGMMA = False
 # products (wgmma, sm_90a): D x 16 products of four waves' state rows at once, at twice
 # mma.sync's rate, the state staying in its registers (the same accumulator layout), each
 # chunk's update retired in its step; the v_new and o products stay per wave (N = C is
-# small for a warpgroup). At chunk 16 only (chunk_wg_update). Where a walk's blocks are not whole warpgroups, that walk keeps
-# the per-wave update. On: H200, c16 lower bound, one-call A/B (docs/NOTES.md v26): pass
+# small for a warpgroup). At chunk 16 only (chunk_wg_update). Where a walk's blocks are not
+# whole warpgroups, that walk keeps the per-wave update. On: H200, c16 lower bound,
+# one-call A/B (docs/NOTES.md v26): pass
 # one 0.454 -> 0.439 ms, pass two 0.441 -> 0.434 (1x32768x32, busy graph 1.573 -> 1.551),
 # the single walk 0.450 -> 0.443 (8x4096x32, 1.082 -> 1.075); outputs equal to the
 # per-wave update's. Retiring an update after the next chunk's barrier instead took a

@@ -346,8 +346,9 @@ print(*errs)
 def test_warpgroup_state_update_matches_the_reference(mode, head_dim, emulate_cache):
     """The sm_90 walks at chunk 16 with their state update as warpgroup products
     (resources.CHUNK_WG_UPDATE, on) and without (off), and with pass one's v_new products
-    per warpgroup too (PASS_ONE_WG_VNEW; vnew64: in blocks of 64 rows, PASS_ONE_WIDTH), in a process of its own, copies
-    landing as late as cp.async allows, workspace poisoned: the single walk, pass one per
+    per warpgroup too (PASS_ONE_WG_VNEW; vnew64: in blocks of 64 rows, PASS_ONE_WIDTH),
+    in a process of its own, copies landing as late as cp.async allows, workspace
+    poisoned: the single walk, pass one per
     group and in segments with its lead, pass two (at d128 / bv128 every walk's blocks are
     whole warpgroups; at d64 / bv64 only pass one's, the paired walks keep the per-wave
     update). The emulation runs each product at the wait that retires it and stops on an

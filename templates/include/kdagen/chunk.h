@@ -721,25 +721,26 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         wg::wait<0>();
         wg::fence_operands(vn);
         if constexpr (kTwo) wg::fence_operands(vn1);
-      }
+      } else {
 #pragma unroll
-      for (int kt = 0; kt < (kWgV ? 0 : KT); ++kt) {
-        const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
-        [[maybe_unused]] const mma::Frag s1 = kTwo ? mma::to_a<Io>(S1[kTwo ? kt : 0]) : s;
-        if constexpr (kWgU) {
-          // the decay of the update, applied as soon as v_new has read the slice (the
-          // warpgroup products below take the whole state at once)
-          decay_slice(kt);
-        }
+        for (int kt = 0; kt < KT; ++kt) {
+          const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
+          [[maybe_unused]] const mma::Frag s1 = kTwo ? mma::to_a<Io>(S1[kTwo ? kt : 0]) : s;
+          if constexpr (kWgU) {
+            // the decay of the update, applied as soon as v_new has read the slice (the
+            // warpgroup products below take the whole state at once)
+            decay_slice(kt);
+          }
 #pragma unroll
-        for (int ct = 0; ct < CT; ++ct) {
-          const mma::Frag wb = mma::load_b_smem_at(WBlock{Ws, 16 * ct, 16 * kt});
-          mma::mma<Io>(vn[ct], s, wb);
-          if constexpr (kTwo) mma::mma<Io>(vn1[kTwo ? ct : 0], s1, wb);
-          if constexpr (!kPassOne) {
-            const mma::Frag qb = mma::load_b_smem_at(WBlock{Qs, 16 * ct, 16 * kt});
-            mma::mma<Io>(o[ct], s, qb);
-            if constexpr (kPairV) mma::mma<Io>(o1[kPairV ? ct : 0], s1, qb);
+          for (int ct = 0; ct < CT; ++ct) {
+            const mma::Frag wb = mma::load_b_smem_at(WBlock{Ws, 16 * ct, 16 * kt});
+            mma::mma<Io>(vn[ct], s, wb);
+            if constexpr (kTwo) mma::mma<Io>(vn1[kTwo ? ct : 0], s1, wb);
+            if constexpr (!kPassOne) {
+              const mma::Frag qb = mma::load_b_smem_at(WBlock{Qs, 16 * ct, 16 * kt});
+              mma::mma<Io>(o[ct], s, qb);
+              if constexpr (kPairV) mma::mma<Io>(o1[kPairV ? ct : 0], s1, qb);
+            }
           }
         }
       }
