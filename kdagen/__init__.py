@@ -3,7 +3,9 @@
     spec = kdagen.KernelSpec(head_dim=128, chunk_size=64, io_dtype="bf16", target="sm_90")
     kern = kdagen.load(spec)          # build if missing, load, return the op handle
     ws = kern.fused_kda_prologue(...) # see kdagen.ops.Kernels
-    o, s = kdagen.kda_forward(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias)
+    o, s = kdagen.kda_forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,  # chunk_kda's
+                              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                              A_log=A_log, dt_bias=dt_bias)
 
 Heavy modules (torch) load on first use, so the CLI's spec and render commands
 start fast.

@@ -201,22 +201,25 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
             sets = [make_inputs([t] * n, h, D, gate=gate, seed=s) for s in range(nsets)]
             inits = [torch.randn(n, h, D, D, device="cuda") * 0.05 for _ in range(nsets)]
             lb = sets[0].lower_bound
-            pro = [kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens, defer_u=True)
+            defer = kern.scan_forms_u  # the per-kernel columns time the form prefill uses
+            pro = [kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens, defer_u=defer)
                    for x in sets]
             outs = [torch.empty_like(p["w"]) for p in pro]
 
-            def ours(i):  # u formed in the scan (the inputs' v rows allow it)
+            def ours(i):  # u formed in the scan where the variant does (scan_forms_u)
                 x = sets[i]
                 return kern.prefill(*x.args(), None, lb, x.cu_seqlens, inits[i], True)
 
             def prologue_only(i):
                 x = sets[i]
-                kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens, defer_u=True)
+                kern.fused_kda_prologue(*x.args(), None, lb, x.cu_seqlens, defer_u=defer)
 
             def chunk_only(i):
                 p = pro[i]
-                kern.fused_kda_chunk(p["qg"], p["w"], sets[i].v, p["kg_t"], p["aqk"], p["decay"],
-                                     outs[i], None, sets[i].cu_seqlens, inits[i], True, akk=p["akk"])
+                u = sets[i].v if defer else p["u"]
+                kern.fused_kda_chunk(p["qg"], p["w"], u, p["kg_t"], p["aqk"], p["decay"], outs[i],
+                                     None, sets[i].cu_seqlens, inits[i], True,
+                                     akk=p["akk"] if defer else None)
 
             groups = kern._choose_groups((t + C - 1) // C, n, h, torch.device("cuda"))  # as used
             row = Row(f"{n}x{t}x{h}", gate, th, C, groups, time_ms(ours, nsets, reps),
@@ -325,6 +328,26 @@ def write_results(rows: list[Row], meta: dict, markdown: str | None = None,
 
 # the run facts two bench runs must share for their rows to stand in one table
 SAME_RUN_KEYS = ("gpu", "commit", "torch", "chunk")
+META_KEYS = ("date", "commit", "gpu", "cus", "torch", "copy_gbps", "bf16_tflops")  # the table's head
+
+
+def _merge_file(path: str) -> tuple[dict, list[Row]]:
+    """One ``--json`` file's meta and rows; ValueError naming what is missing or wrong."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) \
+            or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{path}: not a `kdagen bench --json` file (no meta / rows)")
+    missing = [k for k in META_KEYS if k not in data["meta"]]
+    if missing:
+        raise ValueError(f"{path}: meta lacks {', '.join(missing)}: not a `kdagen bench --json` file")
+    rows = []
+    for i, r in enumerate(data["rows"]):
+        try:
+            rows.append(Row(**r))
+        except TypeError as e:  # a missing or unknown field
+            raise ValueError(f"{path}: row {i}: {e}") from None
+    return data["meta"], rows
 
 
 def merge_results(paths: list[str]) -> tuple[list[Row], dict]:
@@ -338,14 +361,10 @@ def merge_results(paths: list[str]) -> tuple[list[Row], dict]:
     merged: dict[tuple[str, str], Row] = {}
     meta: dict | None = None
     for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
-            raise ValueError(f"{path}: not a `kdagen bench --json` file (no meta / rows)")
+        other, rows = _merge_file(path)
         if meta is None:
-            meta = dict(data["meta"])
+            meta = dict(other)
         else:
-            other = data["meta"]
             differ = [f"{k} {other.get(k)!r} vs {meta.get(k)!r}" for k in SAME_RUN_KEYS
                       if other.get(k) != meta.get(k)]
             if differ:
@@ -353,8 +372,7 @@ def merge_results(paths: list[str]) -> tuple[list[Row], dict]:
                                  "rows of different runs do not go in one table")
             if other.get("date") not in meta["date"].split(" / "):
                 meta["date"] = f"{meta['date']} / {other.get('date')}"
-        for r in data["rows"]:
-            row = Row(**r)
+        for row in rows:
             merged[(row.shape, row.gate)] = row
     assert meta is not None
     return list(merged.values()), meta

@@ -10,6 +10,8 @@ turned off with ``KDAGEN_CHECK_VALUES=0``.
 from __future__ import annotations
 
 import os
+import weakref
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -160,13 +162,40 @@ def cu_end(op: str, end: int, total_tokens: int) -> None:
 
 
 def indices(op: str, name: str, t: object, n: int, rows: int, device: torch.device | None) -> torch.Tensor:
-    """An int index per sequence into ``rows`` rows; negative entries mean 'none'."""
+    """An int index per sequence into ``rows`` rows; negative entries mean 'none'. The
+    kernels take int32: an int64 entry below -2^31 would wrap to a row when cast."""
     x = tensor(op, name, t, shape=(n,), dtypes=INDEX_DTYPES, device=device)
     if values_checkable() and n > 0:
-        hi = int(x.max())
+        lo, hi = index_range(x)
         if hi >= rows:
             _fail(op, name, f"holds row {hi}, but the target has only {rows} rows")
+        if lo < -(2 ** 31):
+            _fail(op, name, f"holds {lo}, outside int32 (the kernels' index type): it would wrap "
+                            "to a row when cast; use -1 for 'none'")
     return x
+
+
+RANGE_ENTRIES = 32
+_ranges: OrderedDict[tuple, tuple[weakref.ref, tuple[int, int]]] = OrderedDict()
+
+
+def index_range(x: torch.Tensor) -> tuple[int, int]:
+    """``(min, max)`` of an index tensor: one host read, kept per tensor and version
+    counter like a checked ``cu_seqlens`` (``kdagen/seqlens.py``), so every layer of a
+    forward pass on one ``state_indices`` tensor reads it back once. Not kept for
+    inference-mode tensors (no version counter) or with ``KDAGEN_SEQLEN_CACHE=0``."""
+    cache = not x.is_inference() and os.environ.get("KDAGEN_SEQLEN_CACHE", "1") != "0"
+    key = (id(x), x._version, x.data_ptr(), x.dtype, x.numel()) if cache else None
+    hit = _ranges.get(key) if cache else None
+    if hit is not None and hit[0]() is x:
+        _ranges.move_to_end(key)
+        return hit[1]
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(x)).tolist())
+    if cache:
+        _ranges[key] = (weakref.ref(x), (lo, hi))
+        while len(_ranges) > RANGE_ENTRIES:
+            _ranges.popitem(last=False)
+    return lo, hi
 
 
 def flags(op: str, name: str, t: object, n: int, device: torch.device | None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The ``kdagen`` command line.
 
-    kdagen build SPEC.yaml [--arch A ...] [--compile-only]   render + build, print artefacts
-    kdagen render SPEC.yaml -o DIR [--arch A ...]            write the sources
+    kdagen build [SPEC.yaml] [--arch A ...] [--compile-only] render + build, print artefacts
+    kdagen render [SPEC.yaml] -o DIR [--arch A ...]          write the sources
     kdagen variants GRID.yaml [--filter PAT] [--list]        expand a grid, build it all in one ninja graph
     kdagen generated [--check]                               re-render generated/ (the shipped variants)
     kdagen targets                                           the GPUs kdagen knows
@@ -54,13 +54,18 @@ def cmd_build(ns: argparse.Namespace) -> int:
     specs = _specs(ns.spec, ns.arch)
     mode = "objects" if ns.compile_only else "full"
     entries = build_many(specs, mode, verbose=ns.verbose or None, force=ns.force or None)
+    _print_artefacts(entries, ns.compile_only)
+    return 0
+
+
+def _print_artefacts(entries, compile_only: bool) -> None:
+    """Each build's artefacts on stdout; a compile-only build says what it did not do."""
     for e in entries:
         for a in e.artefacts():
             print(a)
-    if ns.compile_only:
+    if compile_only:
         print("compile-only: device code compiled to objects; nothing was linked or loaded",
               file=sys.stderr)
-    return 0
 
 
 def cmd_render(ns: argparse.Namespace) -> int:
@@ -91,9 +96,7 @@ def cmd_variants(ns: argparse.Namespace) -> int:
     mode = "objects" if ns.compile_only else "full"
     entries = build_many(exp.specs, mode, verbose=ns.verbose or None, force=ns.force or None,
                          jobs=ns.jobs)
-    for e in entries:
-        for a in e.artefacts():
-            print(a)
+    _print_artefacts(entries, ns.compile_only)
     return 0
 
 
@@ -286,12 +289,15 @@ def parser() -> argparse.ArgumentParser:
                          "e.g. one gate per device call) into one table, JSON and plot")
     bn.set_defaults(fn=cmd_bench)
 
-    tu = sub.add_parser("tune", help="measure chunk-group counts (and block widths) per shape, "
-                                     "for this GPU's autotune cache",
+    tu = sub.add_parser("tune", help="measure chunk-group counts (and block widths or chunk "
+                                     "sizes) per shape, for this GPU's autotune cache",
                         description="Time the chunk scan for every candidate group count on "
                                     "synthetic inputs of each shape and record the fastest in "
                                     "<cache>/tune/<device>.json, which fused_kda_chunk and "
-                                    "kda_forward use at run time. " + DEFAULT_SPEC_NOTE)
+                                    "kda_forward use at run time; with --block-widths or "
+                                    "--chunk-sizes also time each variant end to end and record "
+                                    "the fastest (kda_forward and kdagen bench use it). "
+                                    + DEFAULT_SPEC_NOTE)
     tu.add_argument("spec", nargs="?", help="spec YAML (default: the default spec)")
     tu.add_argument("--shapes", help="comma separated NxT:H list (default: the bench shapes)")
     tu.add_argument("--block-widths", help="also pick the fastest of these block widths, e.g. "

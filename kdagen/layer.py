@@ -1,4 +1,4 @@
-"""``kda_forward``: the whole KDA layer op with the conventions of
+"""``kda_forward``: the whole KDA layer op with the signature and defaults of
 ``fla.ops.kda.chunk_kda``, so one can stand in for the other."""
 
 from __future__ import annotations
@@ -19,15 +19,23 @@ def kda_forward(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = True,
-    use_gate_in_kernel: bool = True,
-    use_beta_sigmoid_in_kernel: bool = True,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
     lower_bound: float | None = None,
-    state_v_first: bool = True,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: torch.Tensor | SeqLens | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    cp_context: object | None = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
     *,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
     groups: int | None = None,
     block_width: int | None = None,
@@ -35,29 +43,47 @@ def kda_forward(
     """Raw q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g ``[B, T, H, K]`` (before the
     gate), beta ``[B, T, H]`` (before the sigmoid) -> ``(o [B, T, H, V], final_state)``.
 
-    As in ``chunk_kda``: ``cu_seqlens`` needs B == 1 (a ``kdagen.prepare_seqlens`` result
-    works too, and then nothing is read back to the host). ``initial_state`` and the final
-    state are fp32 ``[N, H, V, K]`` (vLLM's layout, ``state_v_first=True``, the default
-    here); kdagen's kernels keep the state V-first, so ``state_v_first=False`` (FLA's
-    default ``[N, H, K, V]``) is an error rather than a silent transpose. The l2 norms,
-    the gate (softplus form, or lower-bound form when ``lower_bound`` is given) and the
-    beta sigmoid always run in kernel. ``chunk_size`` and ``block_width`` pick the
-    variant; left out, the ones tuned for this shape (``kdagen tune --chunk-sizes``,
-    ``--block-widths``) are used where recorded, else the largest valid chunk (64 where
-    the target's LDS allows) and the spec's width. A ``prepare_seqlens`` result keeps the
-    chunk size it was prepared for; under ``torch.compile`` no tune file is read, so the
-    default chunk is used unless ``chunk_size`` is given.
+    The signature, argument order and defaults are ``chunk_kda``'s (fla-core 0.6.0), so a
+    call means the same to both. kdagen's prologue always applies the l2 norms, the gate
+    and the beta sigmoid, so ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel`` and
+    ``use_beta_sigmoid_in_kernel`` must be passed True (False, FLA's default for
+    pre-processed inputs, is an error). The gate is ``-exp(A_log) softplus(g + dt_bias)``,
+    or with ``lower_bound`` ``lower_bound sigmoid(exp(A_log) (g + dt_bias))`` (``A_log``
+    may then be None: ``lower_bound sigmoid(g + dt_bias)``); ``dt_bias`` None is zero.
+    ``safe_gate`` needs ``lower_bound`` in [-5, 0), as in FLA (kdagen's lower-bound gate is
+    that gate). ``initial_state`` and the final state are fp32 ``[N, H, K, V]`` (FLA's
+    default), or ``[N, H, V, K]`` with ``state_v_first=True`` (vLLM's layout, the one the
+    kernels keep: the K-first layout costs a transposed copy of the state each way).
+    ``cu_seqlens`` needs B == 1 (a ``kdagen.prepare_seqlens`` result works too, and then
+    nothing is read back to the host); ``cu_seqlens_cpu`` and ``disable_recompute`` change
+    nothing here (forward only). Refused with a ValueError: ``allow_neg_eigval``,
+    ``return_intermediate_states`` (the chunk op's checkpoints do this),
+    ``cp_context`` and ``use_graph`` (capture the ops themselves: README).
+
+    kdagen's own keywords: ``chunk_size`` and ``block_width`` pick the variant; left out,
+    the ones tuned for this shape (``kdagen tune --chunk-sizes``, ``--block-widths``) are
+    used where recorded, else the largest valid chunk (64 where the target's LDS allows)
+    and the spec's width. A ``prepare_seqlens`` result keeps the chunk size it was
+    prepared for; under ``torch.compile`` no tune file is read, so the default chunk is
+    used unless ``chunk_size`` is given. ``groups`` forces the chunk-group count.
     """
-    if not state_v_first:
-        raise ValueError("kda_forward: state_v_first=False is not supported: kdagen keeps the "
-                         "state V-first [N, H, V, K]; pass state_v_first=True with a V-first state "
-                         "(x.transpose(-1, -2).contiguous() converts FLA's [N, H, K, V])")
     for flag, name in ((use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel"),
                        (use_gate_in_kernel, "use_gate_in_kernel"),
                        (use_beta_sigmoid_in_kernel, "use_beta_sigmoid_in_kernel")):
         if not flag:
-            raise ValueError(f"kda_forward: {name}=False is not supported: kdagen's prologue always "
-                             "applies it; pass the raw tensors")
+            raise ValueError(f"kda_forward: {name}=False (FLA's default) is not supported: kdagen's "
+                             f"prologue always applies it; pass {name}=True with the raw tensors")
+    for on, name, why in ((allow_neg_eigval, "allow_neg_eigval", "beta is sigmoid(beta)"),
+                          (return_intermediate_states, "return_intermediate_states",
+                           "use fused_kda_chunk's checkpoint_offsets for mid-prefill states"),
+                          (cp_context is not None, "cp_context", "no context parallelism"),
+                          (use_graph, "use_graph", "capture kdagen's ops with chunk_indices (README)")):
+        if on:
+            raise ValueError(f"kda_forward: {name} is not supported: {why}")
+    if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
+        raise ValueError(f"kda_forward: safe_gate=True needs lower_bound in [-5, 0), got {lower_bound}")
+    if A_log is None and lower_bound is None:
+        raise ValueError("kda_forward: A_log must be given when lower_bound is not set")
     if q.dim() != 4:
         raise ValueError(f"kda_forward: argument 'q' must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -77,7 +103,12 @@ def kda_forward(
         if initial_state.dtype != torch.float32:
             raise TypeError(f"kda_forward: argument 'initial_state' must be float32, got "
                             f"{initial_state.dtype}")
-        initial_state = initial_state.contiguous()
+        # the kernels keep the state V-first; FLA's default layout is K-first
+        initial_state = (initial_state if state_v_first else initial_state.transpose(-1, -2)).contiguous()
+    if A_log is None:  # lower_bound sigmoid(g + dt_bias): exp(A_log) = 1
+        A_log = torch.zeros(H, dtype=torch.float32, device=q.device)
+    if dt_bias is None:
+        dt_bias = torch.zeros(H * K, dtype=torch.float32, device=q.device)
     if chunk_size is None and isinstance(cu_seqlens, SeqLens):
         chunk_size = cu_seqlens.chunk_size  # prepared for one chunk size: that one
     if chunk_size is None:
@@ -103,6 +134,8 @@ def kda_forward(
     # u is formed in the chunk scan from v where v's rows allow it (Kernels.prefill)
     o, final = kern.prefill(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                             initial_state, output_final_state, groups=groups, scan=scan)
+    if final is not None and not state_v_first:
+        final = final.transpose(-1, -2).contiguous()
     return o.reshape(B, T, H, -1), final
 
 

@@ -38,6 +38,12 @@ class Kernels:
     def __repr__(self) -> str:
         return f"Kernels({self.spec.name}, ops={sorted(self.ops)})"
 
+    @property
+    def checkpoint_alignment(self) -> int:
+        """What a non-zero checkpoint offset must be a multiple of: the chunk size (the
+        production wrapper's ``KDA_CHECKPOINT_ALIGNMENT``, per variant here)."""
+        return self.spec.chunk_size
+
     @functools.cached_property
     def scan_forms_u(self) -> bool:
         """Whether ``prefill`` leaves u to the chunk scan (``defer_u``) on this variant:
@@ -341,9 +347,12 @@ class Kernels:
         ``has_initial_state`` replaces ``initial_state`` / ``output_final_state``: each
         sequence's row is read (or zero) and its final state written back in place, and
         the returned final state is None. ``checkpoint_offsets [N]`` (multiples of the
-        chunk size, 0 = none) snapshot the state after that many tokens into
-        ``checkpoint_state`` row n, or row ``checkpoint_state_indices[n]`` (negative =
-        none). ``out`` may alias ``u``. ``groups`` overrides the chunk-group heuristic,
+        chunk size, ``checkpoint_alignment``; 0 = none) snapshot the state after that many
+        tokens into ``checkpoint_state`` row n, or row ``checkpoint_state_indices[n]``
+        (negative = none). An offset off the alignment or past its sequence is an error
+        here, where the production wrapper's kernel skips it silently (the kernels here
+        skip it too where values cannot be read: CUDA-graph capture, torch.compile,
+        ``KDAGEN_CHECK_VALUES=0``). ``out`` may alias ``u``. ``groups`` overrides the chunk-group heuristic,
         ``segments`` (1 .. groups - 1) the count of pass one's segments (groups.py).
 
         ``akk`` (from ``fused_kda_prologue(..., defer_u=True)``): ``u`` is then the raw v

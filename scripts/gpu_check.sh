@@ -3,7 +3,8 @@
 # tests need (one ninja graph, in parallel), run the GPU tests, run the benchmark,
 # and print a short table last.
 #
-#   bash scripts/gpu_check.sh [quick|bench]   # quick: tests only; bench: tune + benchmark only
+#   bash scripts/gpu_check.sh [quick|bench]   # quick: build, GPU tests and sanitizers;
+#                                             # bench: the bench's variants, tune + benchmark
 #
 # KDAGEN_GPU_TESTS narrows the test files, KDAGEN_SANITIZE=0 skips compute-sanitizer,
 # KDAGEN_SANITIZE_TOOLS picks its tools, KDAGEN_BENCH_REPS / _GATES / _SHAPES shape the

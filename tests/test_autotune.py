@@ -230,7 +230,8 @@ def test_kda_forward_takes_the_recorded_chunk_size(monkeypatch, chunk_asked):
     monkeypatch.setattr(layer, "spec_for_inputs", lambda *a, **k: spec())
     monkeypatch.setattr(at, "recorded_chunk_size", lambda s, n, h, t, dev: 32 if t == 4096 else None)
     x = torch.randn(2, 4096, 1, 64)
-    raw = dict(A_log=torch.zeros(1), dt_bias=torch.zeros(64))
+    raw = dict(A_log=torch.zeros(1), dt_bias=torch.zeros(64), use_qk_l2norm_in_kernel=True,
+               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     for chunk_size, want in ((None, 32), (16, 16)):
         with pytest.raises(_Stop):
             layer.kda_forward(x, x, x, x, x[..., 0], chunk_size=chunk_size, **raw)
@@ -252,7 +253,9 @@ def test_kda_forward_defaults_to_the_largest_valid_chunk(monkeypatch, chunk_aske
     monkeypatch.setattr(at, "recorded_chunk_size", lambda *a: None)
     x = torch.randn(1, 64, 1, 256).bfloat16()  # d256: chunk 64 does not fit gfx90a's LDS, 32 does
     with pytest.raises(_Stop):
-        layer.kda_forward(x, x, x, x, x[..., 0], A_log=torch.zeros(1), dt_bias=torch.zeros(256))
+        layer.kda_forward(x, x, x, x, x[..., 0], A_log=torch.zeros(1), dt_bias=torch.zeros(256),
+                          use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                          use_beta_sigmoid_in_kernel=True)
     assert chunk_asked == [32]
 
 
@@ -343,6 +346,39 @@ def test_autotune_on_first_use_tunes_unseen_shapes_once(cache, monkeypatch):
     assert calls == [(1, 32, 512)]  # the second call found the recorded choice
     monkeypatch.setattr(at, "capturing", lambda: True)
     assert k._choose_groups(64, 1, 32, CUDA0) != 8 and len(calls) == 1  # never while capturing
+
+
+class _FormRecorder:
+    """A stand-in for a variant's ops that records which u form tune_groups hands over."""
+
+    def __init__(self, kern_spec: KernelSpec, forms_u: bool):
+        self.spec, self.scan_forms_u, self.calls = kern_spec, forms_u, []
+
+    def fused_kda_prologue(self, q, k, v, *rest, defer_u=False):
+        self.calls.append(("prologue", defer_u))
+        planes = {n: torch.zeros_like(k) for n in ("qg", "w", "kg_t", "decay", "aqk")}
+        return {**planes, "akk": torch.zeros(1), **({} if defer_u else {"u": torch.full_like(v, 7.0)})}
+
+    def fused_kda_chunk(self, qg, w, u, *rest, groups=None, akk=None):
+        self.calls.append(("chunk", "u" if u.eq(7.0).all() else "v", akk is not None))
+
+
+@pytest.mark.parametrize("target, chunk, forms_u", [("sm_90", 16, True), ("gfx90a", 64, False)])
+def test_group_tuning_times_the_u_form_prefill_uses(cache, monkeypatch, target, chunk, forms_u):
+    """tune_groups times the chunk scan in the form Kernels.prefill runs on the variant:
+    u formed in the scan (v and akk) where it stages u / o, the prologue's u elsewhere."""
+    import contextlib
+
+    kern = _FormRecorder(spec(target=target, chunk_size=chunk), forms_u)
+    monkeypatch.setattr(at, "_gpu", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(at, "num_compute_units", lambda device: 132)
+    monkeypatch.setattr(at, "device_tag", lambda device=None: "fake-gpu")
+    monkeypatch.setattr(at, "_time_ms", lambda fn, reps: (fn(), 1.0)[1])
+    at.tune_groups(kern, 1, 2, 4, quiet=True)
+    assert kern.calls[0] == ("prologue", forms_u)
+    chunk_calls = set(kern.calls[1:])
+    assert chunk_calls == {("chunk", "v", True) if forms_u else ("chunk", "u", False)}
 
 
 def test_cli_tune_without_a_gpu_is_a_clear_error(capsys):

@@ -88,6 +88,14 @@ def test_merge_joins_the_rows_of_runs_split_over_calls(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ValueError, match="not a `kdagen bench --json` file"):
         bench.merge_results([str(tmp_path / "bad.json")])
+    (tmp_path / "no_date.json").write_text(json.dumps({"meta": {"gpu": "x"}, "rows": []}))
+    with pytest.raises(ValueError, match="meta lacks date"):
+        bench.merge_results([str(tmp_path / "no_date.json")])
+    short_row = json.loads(open(lb).read())
+    del short_row["rows"][1]["kdagen_ms"]
+    (tmp_path / "short_row.json").write_text(json.dumps(short_row))
+    with pytest.raises(ValueError, match="row 1: .*kdagen_ms"):
+        bench.merge_results([str(tmp_path / "short_row.json")])
 
 
 def test_profile_argv_loads_the_named_variant(monkeypatch):

@@ -407,9 +407,17 @@ def test_kda_forward_matches_fla(gate, record):
     x = make_inputs([1000, 64, 63, 2048], 4, 128, gate=gate, seed=51)
     N = 4
     init = torch.randn(N, 4, 128, 128, device=DEV) * 0.1
+    in_kernel = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True)
     o, s = kdagen.kda_forward(x.q, x.k, x.v, x.g, x.beta, initial_state=init, output_final_state=True,
-                              lower_bound=x.lower_bound, cu_seqlens=x.cu_seqlens, A_log=x.A_log,
-                              dt_bias=x.dt_bias)
+                              lower_bound=x.lower_bound, state_v_first=True, cu_seqlens=x.cu_seqlens,
+                              A_log=x.A_log, dt_bias=x.dt_bias, **in_kernel)
+    # FLA's default K-first state: the same call with the state transposed both ways
+    o_kf, s_kf = kdagen.kda_forward(x.q, x.k, x.v, x.g, x.beta, initial_state=init.transpose(-1, -2),
+                                    output_final_state=True, lower_bound=x.lower_bound,
+                                    cu_seqlens=x.cu_seqlens, A_log=x.A_log, dt_bias=x.dt_bias,
+                                    **in_kernel)
+    assert torch.equal(o_kf, o) and torch.equal(s_kf, s.transpose(-1, -2))
     of, sf = fla_kda.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=init,
                                output_final_state=True, use_qk_l2norm_in_kernel=True,
                                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,

@@ -352,6 +352,9 @@ REC_BAD += [
         [0, SLOTS, -1], dtype=I32)), ValueError, "state_indices"),
     Bad("state_indices-far-out-of-range-int64", put_value("state_indices", lambda: torch.tensor(
         [2**40, 0, 1], dtype=I64)), ValueError, "state_indices"),
+    # -2^32 + 1 and -2^32 cast to int32 are rows 1 and 0: they must not reach the kernel
+    Bad("state_indices-int64-wraps-to-a-row", put_value("state_indices", lambda: torch.tensor(
+        [2, -(2**32) + 1, -(2**32)], dtype=I64)), ValueError, "state_indices"),
     Bad("state_indices-bool", put_value("state_indices", lambda: torch.ones(RN, dtype=torch.bool)),
         TypeError, "state_indices"),
 ]
@@ -798,6 +801,8 @@ CACHE_BAD: list[Bad] = [
         "state_cache"),
     Bad("state_indices-out-of-range", put_value("state_indices", _cu([0, -1, SLOTS])), ValueError,
         "state_indices"),
+    Bad("state_indices-int64-wraps-to-a-row", put_value("state_indices", _cu([0, -(2**32) + 1, 2], I64)),
+        ValueError, "state_indices"),
     Bad("state_indices-float", put("state_indices", lambda t: t.float()), TypeError,
         "state_indices"),
     Bad("state_indices-nontensor", put_value("state_indices", [0, 1, 2]), TypeError,
@@ -862,6 +867,15 @@ CKPT_BAD: list[Bad] = [
     Bad("checkpoint_offsets-negative", put_value("checkpoint_offsets", _cu([-16, 0, 32])),
         ValueError, "checkpoint_offsets"),
 ]
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+def test_checkpoint_alignment_is_the_variants_chunk_size(chunk):
+    """The stand-in for the wrapper's KDA_CHECKPOINT_ALIGNMENT, per variant."""
+    kern, _ = make_kernels(chunk_size=chunk)
+    assert kern.checkpoint_alignment == chunk
+
+
 CKPT_IDX_BAD: list[Bad] = [
     Bad("checkpoint_state_indices-out-of-range",
         put_value("checkpoint_state_indices", _cu([4, 0, -1])), ValueError,

@@ -206,3 +206,35 @@ def test_cu_seqlens_one_step_back_is_refused_and_equal_steps_are_not():
         checks.cu_seqlens_values("op", torch.tensor([0, 65, 64, 128]), 128)
     with pytest.raises(ValueError, match="non-decreasing"):
         seqlens.checked("op", torch.tensor([0, 65, 64, 128], dtype=torch.int32), 128, None, 64)
+
+
+def test_index_ranges_are_read_once_per_tensor_version(monkeypatch):
+    """state_indices and the like: their range is read back once per tensor and version
+    (every layer of a forward pass shares one), again after an in-place change, and on
+    every call for an inference-mode tensor or with KDAGEN_SEQLEN_CACHE=0."""
+    reads = []
+    real = torch.aminmax
+
+    def counting(x):
+        reads.append(x)
+        return real(x)
+
+    monkeypatch.setattr(torch, "aminmax", counting)
+    idx = torch.tensor([3, -1, 7], dtype=torch.int32)
+    for _ in range(3):
+        assert ck.indices("op", "state_indices", idx, 3, 8, None) is idx
+    assert len(reads) == 1
+    idx[0] = 8  # in place: a new version, checked afresh, and now out of range
+    with pytest.raises(ValueError, match="holds row 8"):
+        ck.indices("op", "state_indices", idx, 3, 8, None)
+    assert len(reads) == 2
+    with torch.inference_mode():
+        frozen = torch.tensor([1, 2, 3], dtype=torch.int32)
+    ck.indices("op", "state_indices", frozen, 3, 8, None)
+    ck.indices("op", "state_indices", frozen, 3, 8, None)
+    assert len(reads) == 4
+    monkeypatch.setenv("KDAGEN_SEQLEN_CACHE", "0")
+    other = torch.tensor([0, 1, 2], dtype=torch.int64)
+    ck.indices("op", "state_indices", other, 3, 8, None)
+    ck.indices("op", "state_indices", other, 3, 8, None)
+    assert len(reads) == 6

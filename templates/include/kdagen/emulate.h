@@ -295,7 +295,10 @@ struct Copy { void* dst; const void* src; bool pred; };
 inline thread_local std::vector<std::vector<Copy>> t_groups;  // committed, oldest first
 inline thread_local std::vector<Copy> t_open;
 inline bool late_copies() {
-  static const bool v = std::getenv("KDAGEN_EMULATE_LATE_COPIES") != nullptr;
+  static const bool v = [] {  // set and not "" / "0"
+    const char* env = std::getenv("KDAGEN_EMULATE_LATE_COPIES");
+    return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
+  }();
   return v;
 }
 inline void land(const Copy& c) {
