@@ -22,7 +22,13 @@ from kdagen.testing import conv_prologue_reference, make_inputs, rel_err
 
 pytestmark = pytest.mark.emulate
 OPS = ("qg", "w", "u", "kg_t", "aqk", "decay")
-TOL = 2e-2
+TOL = 2e-2  # outputs and end states: bf16 operands put them at 3-5e-3
+# The prologue's outputs, each at about 3x its measured error (session 26: qg 0-9e-6,
+# 16-bit w / u / kg_t / aqk 2-4e-3, fp32 decay 3-6e-8, 1.1e-6 under strong decay), so a
+# row off by one in the decay or the gate's cumsum (1e-2 to 2e-2) fails here even where
+# the output hides it.
+PROLOGUE_TOL = {"qg": 1e-3, "w": 1e-2, "u": 1e-2, "kg_t": 1e-2, "aqk": 1e-2, "akk": 1e-2,
+                "decay": 1e-5}
 
 try:
     from kdagen.emulate import find_clang
@@ -202,27 +208,29 @@ def test_emulated_blocks_run_once_each_in_the_chosen_order(tmp_path, monkeypatch
 
 def check_prefill(fields, dtype):
     """Prologue and chunk scan (one walk, three groups, u formed from v) against the
-    float64 reference, outputs poisoned."""
+    float64 reference, outputs poisoned, at a scale other than the default D^-1/2 (the
+    prologue's aqk and the scan's o both take it)."""
     kern = emulated(**fields)
     D, C, gate = kern.spec.head_dim, kern.spec.chunk_size, kern.spec.gate
+    scale = 0.7 * D ** -0.5
     x = make_inputs(lens_for(C), 2, D, dtype=dtype, device="cpu", gate=gate, seed=D + C, fused=True)
-    got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
-    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
+    got = kern.fused_kda_prologue(*x.args(), scale, x.lower_bound, x.cu_seqlens)
+    want = ref.chunk_prologue_reference(*x.args(), scale=scale, lower_bound=x.lower_bound,
                                         cu_seqlens=x.cu_seqlens, chunk_size=C)
     for name in OPS:
         err = rel_err(got[name], want[name].to(got[name].dtype))
-        assert err < TOL, f"{name}: rel err {err:.3e}"
+        assert err < PROLOGUE_TOL[name], f"{name}: rel err {err:.3e}"
     N = len(lens_for(C))
     init = torch.randn(N, 2, D, D, generator=torch.Generator().manual_seed(1)) * 0.1
-    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), scale=scale, lower_bound=x.lower_bound,
                                                   cu_seqlens=x.cu_seqlens, initial_state=init)
     for groups in (1, 3):
         out = torch.full_like(got["u"], float("nan"))
-        o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), out, None, x.cu_seqlens, init, True,
+        o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), out, scale, x.cu_seqlens, init, True,
                                     groups=groups)
         assert rel_err(o, o_ref) < TOL, (groups, rel_err(o, o_ref))
         assert rel_err(s, s_ref) < TOL, (groups, rel_err(s, s_ref))
-    check_deferred_u(kern, x, init, o_ref, s_ref)
+    check_deferred_u(kern, x, init, o_ref, s_ref, scale=scale)
     return kern
 
 
@@ -234,24 +242,24 @@ def aligned_view(t: torch.Tensor, pad: int = 8) -> torch.Tensor:
     return buf[..., :t.shape[-1]]
 
 
-def check_deferred_u(kern, x, init, o_ref, s_ref, groups=(1, 3)):
+def check_deferred_u(kern, x, init, o_ref, s_ref, groups=(1, 3), scale=None):
     """The prologue with defer_u (akk in place of u, v not read: poisoned in the
     prologue's call) and the scan forming u = akk v from a strided v."""
     C = kern.spec.chunk_size
     v = aligned_view(x.v.contiguous())
     args = list(x.args())
     args[2] = torch.full_like(v, float("nan"))  # the prologue must not read v
-    got = kern.fused_kda_prologue(*args, None, x.lower_bound, x.cu_seqlens, defer_u=True)
+    got = kern.fused_kda_prologue(*args, scale, x.lower_bound, x.cu_seqlens, defer_u=True)
     assert "u" not in got
-    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
+    want = ref.chunk_prologue_reference(*x.args(), scale=scale, lower_bound=x.lower_bound,
                                         cu_seqlens=x.cu_seqlens, chunk_size=C, defer_u=True)
     for name in ("qg", "w", "kg_t", "aqk", "decay", "akk"):
         err = rel_err(got[name], want[name].to(got[name].dtype))
-        assert err < TOL, f"deferred {name}: rel err {err:.3e}"
+        assert err < PROLOGUE_TOL[name], f"deferred {name}: rel err {err:.3e}"
     for g in groups:
         out = torch.full_like(got["w"], float("nan"))
         o, s = kern.fused_kda_chunk(got["qg"], got["w"], v, got["kg_t"], got["aqk"], got["decay"],
-                                    out, None, x.cu_seqlens, init, True, groups=g, akk=got["akk"])
+                                    out, scale, x.cu_seqlens, init, True, groups=g, akk=got["akk"])
         assert rel_err(o, o_ref) < TOL, ("deferred", g, rel_err(o, o_ref))
         assert rel_err(s, s_ref) < TOL, ("deferred", g, rel_err(s, s_ref))
 
@@ -395,7 +403,7 @@ def check_prologue_and_single_walk(kern, x, C: int) -> None:
                                         cu_seqlens=x.cu_seqlens, chunk_size=C)
     for name in OPS:
         err = rel_err(got[name], want[name].to(got[name].dtype))
-        assert err < TOL, f"{name}: rel err {err:.3e}"
+        assert err < PROLOGUE_TOL[name], f"{name}: rel err {err:.3e}"
     o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), torch.empty_like(got["u"]), None,
                                 x.cu_seqlens, None, True, groups=1)
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
@@ -495,7 +503,8 @@ def test_fused_conv(target, D, C):
                                 conv_has_initial_state=has)
     want, new_state = conv_prologue_reference(x, wgt, before, idx, has, C)
     for name in ("qg", "w", "u", "kg_t", "aqk"):
-        assert rel_err(p[name], want[name].to(p[name].dtype)) < TOL, name
+        tol = 1e-2 if name == "qg" else PROLOGUE_TOL[name]  # q rounded to the io dtype after the conv
+        assert rel_err(p[name], want[name].to(p[name].dtype)) < tol, name
     assert rel_err(state, new_state) < 1e-2
     assert torch.equal(state[[1, 2]], before[[1, 2]])
 
@@ -511,11 +520,12 @@ def test_recurrent(target, io, dtype, tol):
     idx = torch.tensor([6, 0, -1, 3, 5], dtype=torch.int32)
     before = cache.clone()
     sq = lambda t: t[0]
+    scale = 0.6 * D ** -0.5  # not the default: the decode step must use the one given
     out = kern.fused_recurrent_kda(sq(x.q), sq(x.k), sq(x.v), sq(x.g), sq(x.beta), x.A_log,
-                                   x.dt_bias, None, None, cache, idx)
+                                   x.dt_bias, scale, None, cache, idx)
     live = idx >= 0
     init = before[idx.clamp_min(0).long()]
-    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=torch.arange(N + 1),
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), scale=scale, cu_seqlens=torch.arange(N + 1),
                                                   initial_state=init)
     assert rel_err(out[live], o_ref[0][live]) < tol
     assert torch.all(out[~live] == 0)
@@ -674,9 +684,12 @@ def test_every_group_count_matches_the_single_walk(target, pass_one_stages, pair
     run = lambda g, s=None: kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
                                                  x.cu_seqlens, init, True, groups=g, segments=s)
     o1, s1 = run(1)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens, initial_state=init)
+    assert rel_err(o1, o_ref) < TOL and rel_err(s1, s_ref) < TOL
     for g, segments in ((2, None), (3, None), (3, 1), (4, None), (4, 2), (10, None), (10, 1), (10, 4)):
         og, sg = run(g, segments)
         assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2, (g, segments)
+        assert rel_err(og, o_ref) < TOL and rel_err(sg, s_ref) < TOL, (g, segments)
 
 
 def launched_grids(kern) -> list[tuple[int, int, int]]:
@@ -704,6 +717,8 @@ def test_every_group_scan_block_matches_the_single_walk(target, head_dim, monkey
     run = lambda g, s=None: kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None,
                                                  x.cu_seqlens, init, True, groups=g, segments=s)
     o1, s1 = run(1)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens, initial_state=init)
+    assert rel_err(o1, o_ref) < TOL and rel_err(s1, s_ref) < TOL
     planes = 2 * 2
     plans = resources.scan_plans(head_dim)
     assert len(plans) >= 2
@@ -717,6 +732,7 @@ def test_every_group_scan_block_matches_the_single_walk(target, head_dim, monkey
             grids = launched_grids(kern)
             assert len(grids) == 3 and grids[1] == (head_dim // plan.rows, 2, 2), (plan, grids)
             assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2, (plan.rows, g, segments)
+            assert rel_err(og, o_ref) < TOL and rel_err(sg, s_ref) < TOL, (plan.rows, g, segments)
 
 
 @needs_clang
@@ -804,4 +820,7 @@ def test_group_scan_at_head_dim_128(target, monkeypatch):
                                          x.cu_seqlens, init, True, groups=g)
     o1, s1 = run(1)
     og, sg = run(6)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens, initial_state=init)
     assert rel_err(og, o1) < 1e-2 and rel_err(sg, s1) < 1e-2
+    for o, st in ((o1, s1), (og, sg)):
+        assert rel_err(o, o_ref) < TOL and rel_err(st, s_ref) < TOL

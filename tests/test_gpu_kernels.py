@@ -19,6 +19,11 @@ pytestmark = [
 ]
 
 BF16_TOL = 2e-2
+# The prologue's outputs, each at about 3x the largest error the GPU runs recorded
+# (docs/VALIDATION.md: qg 5e-5, 16-bit w / u / kg_t / aqk / akk up to 3.7e-3, fp32 decay
+# 3.7e-7): a row off by one in the decay or the gate's cumsum (1e-2 to 2e-2) fails.
+PROLOGUE_TOL = {"qg": 1e-3, "w": 1e-2, "u": 1e-2, "kg_t": 1e-2, "aqk": 1e-2, "akk": 1e-2,
+                "decay": 1e-5}
 DEV = "cuda"
 
 
@@ -99,7 +104,7 @@ def test_prologue(spec, dtype, gate, strong, record):
         best = want[name].to(got[name].dtype)
         err = rel_err(got[name], best)
         record(output=name, err=err)
-        assert err < BF16_TOL, f"{name}: rel err {err:.3e}"
+        assert err < PROLOGUE_TOL[name], f"{name}: rel err {err:.3e}"
 
 
 @pytest.mark.parametrize("spec,dtype", [
@@ -124,7 +129,7 @@ def test_prologue_deferred_u(spec, dtype, gate, strong, record):
     for name in ("qg", "w", "akk", "kg_t", "aqk", "decay"):
         err = rel_err(got[name], want[name].to(got[name].dtype))
         record(output=name, err=err)
-        assert err < BF16_TOL, f"{name}: rel err {err:.3e}"
+        assert err < PROLOGUE_TOL[name], f"{name}: rel err {err:.3e}"
 
 
 # ---- chunk scan ---------------------------------------------------------------------------------
@@ -275,37 +280,65 @@ def test_group_scan_rows_of_every_plane_count(heads, record):
         assert rel_err(o, o_ref) < BF16_TOL and rel_err(s, s_ref) < BF16_TOL, (rows, g, seg)
 
 
+PASS_ONE_SWITCHES = r"""
+import json, sys, torch
+import kdagen
+from kdagen import reference as ref, resources
+from kdagen.jit import device_target
+from kdagen.render import render
+from kdagen.testing import make_inputs, rel_err
+
+width, vnew = int(sys.argv[1]), sys.argv[2] == "1"
+resources.PASS_ONE_WIDTH, resources.PASS_ONE_WG_VNEW = width, vnew
+kern = kdagen.load({"target": device_target(), "head_dim": 128, "chunk_size": 16,
+                    "gate": "lower_bound"})
+src = render(kern.spec).files["kernels.hip"]
+assert ("struct ConfigPassOne" in src) == bool(width), "ConfigPassOne"
+assert ("kPassOneWgVnew = true;" in src) == (vnew and kern.spec.target == "sm_90"), "kPassOneWgVnew"
+x = make_inputs([16 * 300 + 9, 16 * 41, 7], 2, 128, gate="lower_bound", seed=37)
+d = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=True)
+init = torch.randn(3, 2, 128, 128, device="cuda") * 0.1
+walk = lambda g, seg=None: kern.fused_kda_chunk(
+    d["qg"], d["w"], x.v, d["kg_t"], d["aqk"], d["decay"], torch.full_like(x.v, float("nan")), None,
+    x.cu_seqlens, init, True, groups=g, akk=d["akk"], segments=seg)
+base_o, base_s = walk(1)
+o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                              cu_seqlens=x.cu_seqlens, initial_state=init)
+for g, seg in ((4, 0), (8, None), (8, 3)):
+    o, s = walk(g, seg)
+    print(json.dumps(dict(groups=g, segments=seg, out_vs_single=rel_err(o, base_o),
+                          state_vs_single=rel_err(s, base_s), out_vs_ref=rel_err(o, o_ref),
+                          state_vs_ref=rel_err(s, s_ref))), flush=True)
+"""
+
+
 @pytest.mark.parametrize("width, vnew", [(64, False), (0, True)])
-def test_pass_one_switches_match_the_single_walk(width, vnew, monkeypatch, record):
+def test_pass_one_switches_match_the_single_walk(width, vnew, record):
     """Pass one's prepared forms, off by default (docs/NOTES.md, session 25): blocks of 64
     rows (resources.PASS_ONE_WIDTH) and v_new per warpgroup (PASS_ONE_WG_VNEW, Hopper), in
     the shipped chunk-16 lower-bound variant with u formed from v: grouped walks (pass one
     per group and in segments with its lead) against the single walk and the token
-    recurrence, outputs and workspace poisoned."""
-    from kdagen import resources
-    from kdagen.render import render
+    recurrence, outputs and workspace poisoned. In a process of its own: the variant's
+    name is the shipped one's, whose ops this process may have loaded already (torch ops
+    cannot be replaced in a process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    monkeypatch.setattr(resources, "PASS_ONE_WIDTH", width)
-    monkeypatch.setattr(resources, "PASS_ONE_WG_VNEW", vnew)
-    kern = kernels(head_dim=128, chunk_size=16, gate="lower_bound")
-    src = render(kern.spec).files["kernels.hip"]
-    assert ("struct ConfigPassOne" in src) == bool(width)
-    assert ("kPassOneWgVnew = true;" in src) == (vnew and kern.spec.target == "sm_90")
-    x = make_inputs([16 * 300 + 9, 16 * 41, 7], 2, 128, gate="lower_bound", seed=37)
-    d = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=True)
-    init = torch.randn(3, 2, 128, 128, device=DEV) * 0.1
-    walk = lambda g, seg=None: kern.fused_kda_chunk(
-        d["qg"], d["w"], x.v, d["kg_t"], d["aqk"], d["decay"], torch.full_like(x.v, float("nan")), None,
-        x.cu_seqlens, init, True, groups=g, akk=d["akk"], segments=seg)
-    base_o, base_s = walk(1)
-    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
-                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
-    for g, seg in ((4, 0), (8, None), (8, 3)):
-        o, s = walk(g, seg)
-        record(width=width, vnew=vnew, groups=g, out_vs_single=rel_err(o, base_o),
-               state_vs_single=rel_err(s, base_s), out_vs_ref=rel_err(o, o_ref), state_vs_ref=rel_err(s, s_ref))
-        assert rel_err(o, base_o) < 1e-2 and rel_err(s, base_s) < 1e-2, (g, seg)
-        assert rel_err(o, o_ref) < BF16_TOL and rel_err(s, s_ref) < BF16_TOL, (g, seg)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, KDAGEN_POISON="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", PASS_ONE_SWITCHES, str(width), str(int(vnew))],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=900)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 3, run.stdout[-2000:]
+    for r in rows:
+        record(width=width, vnew=vnew, **r)
+        assert r["out_vs_single"] < 1e-2 and r["state_vs_single"] < 1e-2, r
+        assert r["out_vs_ref"] < BF16_TOL and r["state_vs_ref"] < BF16_TOL, r
 
 
 # ---- paged state cache and checkpoints --------------------------------------------------------
@@ -409,21 +442,22 @@ def test_kda_forward_matches_fla(gate, record):
     init = torch.randn(N, 4, 128, 128, device=DEV) * 0.1
     in_kernel = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                      use_beta_sigmoid_in_kernel=True)
-    o, s = kdagen.kda_forward(x.q, x.k, x.v, x.g, x.beta, initial_state=init, output_final_state=True,
+    scale = 0.7 * 128 ** -0.5  # not the default: every kernel must use the one given
+    o, s = kdagen.kda_forward(x.q, x.k, x.v, x.g, x.beta, scale, initial_state=init, output_final_state=True,
                               lower_bound=x.lower_bound, state_v_first=True, cu_seqlens=x.cu_seqlens,
                               A_log=x.A_log, dt_bias=x.dt_bias, **in_kernel)
     # FLA's default K-first state: the same call with the state transposed both ways
-    o_kf, s_kf = kdagen.kda_forward(x.q, x.k, x.v, x.g, x.beta, initial_state=init.transpose(-1, -2),
+    o_kf, s_kf = kdagen.kda_forward(x.q, x.k, x.v, x.g, x.beta, scale, initial_state=init.transpose(-1, -2),
                                     output_final_state=True, lower_bound=x.lower_bound,
                                     cu_seqlens=x.cu_seqlens, A_log=x.A_log, dt_bias=x.dt_bias,
                                     **in_kernel)
     assert torch.equal(o_kf, o) and torch.equal(s_kf, s.transpose(-1, -2))
-    of, sf = fla_kda.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=init,
+    of, sf = fla_kda.chunk_kda(x.q, x.k, x.v, x.g, x.beta, scale, initial_state=init,
                                output_final_state=True, use_qk_l2norm_in_kernel=True,
                                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                lower_bound=x.lower_bound, state_v_first=True,
                                cu_seqlens=x.cu_seqlens.long(), A_log=x.A_log, dt_bias=x.dt_bias)
-    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), scale=scale, lower_bound=x.lower_bound,
                                                   cu_seqlens=x.cu_seqlens, initial_state=init)
     e_ours, e_fla = rel_err(o, o_ref), rel_err(of, o_ref)
     print(f"\n[{gate}] kdagen vs ref {e_ours:.2e}, fla vs ref {e_fla:.2e}, kdagen vs fla "

@@ -19,6 +19,12 @@ DEV = "cuda"
 OPS = ("qg", "w", "u", "kg_t", "aqk", "decay")
 
 
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    """Every output the ops allocate starts as NaN (an unwritten element shows)."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+
+
 def kernels(**fields):
     import kdagen
     from kdagen.jit import device_target
@@ -28,7 +34,7 @@ def kernels(**fields):
 
 def run(kern, x, init=None, lower_bound=None, groups=None):
     p = kern.fused_kda_prologue(*x.args(), None, lower_bound, x.cu_seqlens)
-    return kern.fused_kda_chunk(*(p[k] for k in OPS), torch.empty_like(p["u"]), None, x.cu_seqlens,
+    return kern.fused_kda_chunk(*(p[k] for k in OPS), torch.full_like(p["u"], float("nan")), None, x.cu_seqlens,
                                 init, True, groups=groups)
 
 

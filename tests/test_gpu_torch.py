@@ -19,6 +19,12 @@ DEV = "cuda"
 OPS = ("qg", "w", "u", "kg_t", "aqk", "decay")
 
 
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    """Every output the ops allocate starts as NaN (an unwritten element shows)."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+
+
 def kernels(**fields):
     import kdagen
     from kdagen.jit import device_target
@@ -135,8 +141,11 @@ def test_prefill_then_decode_one_state_cache():
     H, steps = 2, 4
     lens = [150, 64]
     full = make_inputs([n + steps for n in lens], H, 128, gate="lower_bound", seed=6)
-    cache = torch.zeros(5, H, 128, 128, device=DEV)
+    # rows 3 and 1 start as NaN: has_initial_state is False, so the walk must not read them
+    cache = torch.randn(5, H, 128, 128, device=DEV) * 0.1
     idx = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
+    cache[idx.long()] = float("nan")
+    others = cache[[0, 2, 4]].clone()
     starts = full.cu_seqlens[:-1].tolist()
     pre = [torch.cat([t[:, s:s + n] for s, n in zip(starts, lens)], 1) for t in full.args()[:5]]
     cu_pre = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=DEV)
@@ -156,3 +165,4 @@ def test_prefill_then_decode_one_state_cache():
                            for t in range(steps)])
     assert rel_err(torch.stack(outs), ref_dec) < 2e-2
     assert rel_err(cache[idx.long()], s_ref) < 2e-2
+    assert torch.equal(cache[[0, 2, 4]], others)  # the other rows untouched

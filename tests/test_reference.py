@@ -596,3 +596,17 @@ def test_blocked_unit_lower_inverse_refuses_a_partial_block():
 
     with pytest.raises(ValueError, match="multiple of 16"):
         blocked_unit_lower_inverse(torch.zeros(24, 24))
+
+
+@pytest.mark.parametrize("gate, low, high", [("softplus", -30.0, -7.0), ("lower_bound", -5.0001, -4.5)])
+def test_kernel_test_inputs_with_strong_decay_reach_the_gates_extremes(gate, low, high):
+    """kdagen.testing.make_inputs(strong_decay=True), the kernel tests' strong decay: the
+    softplus gate at -7 to -30 per step (median about -15), the lower-bound gate saturated
+    at its bound, for 95% of the elements."""
+    from kdagen.testing import make_inputs as kernel_inputs
+
+    x = kernel_inputs([40, 70], 4, 64, device="cpu", dtype=torch.float32, gate=gate,
+                      strong_decay=True, seed=12)
+    g = kda_gate(x.g[0].double(), x.A_log.double(), x.dt_bias.double(), x.lower_bound)
+    inside = ((g > low) & (g < high)).double().mean().item()
+    assert inside > 0.95, (gate, inside, g.median().item())
