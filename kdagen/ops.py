@@ -464,8 +464,9 @@ def _scale(scale: float | None, head_dim: int) -> float:
 
 
 def _check_checkpoints(op: str, offs: torch.Tensor, cu: torch.Tensor, C: int) -> None:
-    o = offs.tolist()
-    lens = (cu[1:] - cu[:-1]).tolist()
+    n = offs.numel()  # the offsets and the sequence lengths in one host read
+    both = torch.cat([offs.to(torch.int64), (cu[1:] - cu[:-1]).to(torch.int64)]).tolist()
+    o, lens = both[:n], both[n:]
     for n, (x, ln) in enumerate(zip(o, lens)):
         if x == 0:
             continue
