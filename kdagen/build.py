@@ -29,7 +29,7 @@ from . import __version__
 from .lock import FileLock
 from .render import KERNEL_SOURCE, BINDING_SOURCE, render, templates_digest
 from .spec import KernelSpec
-from .toolchain import DeviceCompiler, TorchToolchain, device_compiler, torch_toolchain
+from .toolchain import DeviceCompiler, TorchToolchain, compiler_env, device_compiler, torch_toolchain
 
 Mode = Literal["full", "objects"]
 MANIFEST = "manifest.json"
@@ -88,10 +88,12 @@ class Entry:
     # ---- completeness ------------------------------------------------------------------
 
     def manifest(self) -> dict | None:
+        """The entry's manifest; None if missing, unreadable or not a manifest's shape."""
         try:
-            return json.loads((self.root / MANIFEST).read_text())
+            m = json.loads((self.root / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
+        return m if isinstance(m, dict) and isinstance(m.get("artefacts", {}), dict) else None
 
     def problem(self) -> str | None:
         """Why this entry cannot be used as it is (None: complete and intact)."""
@@ -120,15 +122,20 @@ def _sha256(path: Path) -> str:
 _DIGESTS: dict[tuple, str] = {}
 
 
+def resource_constants() -> tuple:
+    """kdagen's resource constants (resources.py) as they are now: the rendered Config
+    follows them, so they are part of what a build is."""
+    from . import resources
+
+    return tuple(sorted((k, v) for k, v in vars(resources).items()
+                        if k.isupper() and isinstance(v, (bool, int, float, str))))
+
+
 def sources_digest(spec: KernelSpec, templates: str) -> str:
     """Digest of ``spec``'s rendered sources (`Rendered.digest`), rendered once per spec,
     template set (``templates``: their digest) and value of kdagen's resource constants
     (every load plans its build)."""
-    from . import resources
-
-    consts = tuple(sorted((k, v) for k, v in vars(resources).items()
-                          if k.isupper() and isinstance(v, (bool, int, float, str))))
-    key = (spec.uri, templates, consts)
+    key = (spec.uri, templates, resource_constants())
     if key not in _DIGESTS:
         _DIGESTS[key] = render(spec).digest()
     return _DIGESTS[key]
@@ -144,7 +151,9 @@ def plan(spec: KernelSpec, mode: Mode = "full") -> Entry:
         "templates": templates,
         "sources": sources_digest(spec, templates),  # the Config follows resources.py constants too
         "mode": mode,
-        "device_compiler": [dev.path, dev.version, dev.arch, list(dev.flags)],
+        "device_compiler": [dev.path, dev.version, dev.arch, list(dev.flags),
+                            dev.compile_command("S", "O", "I", "D")],  # its own flags too
+        "compiler_env": compiler_env(),
         "torch": None if tc is None else [tc.torch_version, tc.cxx, list(tc.defines), list(tc.libraries)],
         "kdagen": __version__,
     }
@@ -160,8 +169,9 @@ def _q(p: Path | str) -> str:
 
 
 def _cmd(args: list[str]) -> str:
-    """Shell-quote a command, leaving ninja's $in / $out variables bare."""
-    return " ".join(a if a.startswith("$") else shlex.quote(a) for a in args)
+    """Shell-quote a command for a ninja rule: ninja's $in / $out variables bare, any
+    other ``$`` (a path's) escaped as ``$$``."""
+    return " ".join(a if a.startswith("$") else shlex.quote(a).replace("$", "$$") for a in args)
 
 
 def ninja_text(e: Entry) -> str:
@@ -190,13 +200,13 @@ def ninja_text(e: Entry) -> str:
         lines += [
             "",
             "rule cxx",
-            f"  command = {shlex.quote(tc.cxx)} {shlex.join(cxx_flags)} -MD -MF $out.d -c $in -o $out",
+            f"  command = {_cmd([tc.cxx, *cxx_flags])} -MD -MF $out.d -c $in -o $out",
             "  depfile = $out.d",
             "  deps = gcc",
             f"  description = compile {e.name}/{BINDING_SOURCE} (torch binding)",
             "",
             "rule link",
-            f"  command = {shlex.quote(tc.cxx)} -shared $in -o $out.partial {shlex.join(link)}"
+            f"  command = {_cmd([tc.cxx])} -shared $in -o $out.partial {_cmd(link)}"
             " && mv -f $out.partial $out",
             f"  description = link {e.name}.so",
             "",
@@ -419,6 +429,8 @@ def cached_entries() -> list[dict]:
             try:
                 info = json.loads(m.read_text())
             except ValueError:
+                continue
+            if not isinstance(info, dict):  # not a manifest: not a complete entry
                 continue
             size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
             out.append({**info, "path": str(d), "bytes": size})

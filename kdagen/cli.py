@@ -134,7 +134,7 @@ def cmd_cache(ns: argparse.Namespace) -> int:
         entries = cached_entries()
         print(f"cache: {cache_root()} ({len(entries)} entries)")
         for e in entries:
-            print(f"  {Path(e['path']).name:60} {e['mode']:7} {e['arch']:7} "
+            print(f"  {Path(e['path']).name:60} {e.get('mode', '?'):7} {e.get('arch', '?'):7} "
                   f"{e['bytes'] / 1e6:7.1f} MB  built {e.get('built_at', '?')}")
         return 0
     n = clear_cache()
@@ -315,6 +315,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     from .build import BuildError
+    from jinja2 import TemplateError, TemplateSyntaxError
+
     from .spec import SpecError
     from .toolchain import ToolchainError
 
@@ -322,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         return ns.fn(ns)
     except (SpecError, BuildError, ToolchainError, RuntimeError, OSError, ValueError) as e:
         print(f"kdagen: error: {e}", file=sys.stderr)
+        return 1
+    except TemplateSyntaxError as e:  # a broken template: its file and line, no traceback
+        print(f"kdagen: error: template {e.filename or e.name}:{e.lineno}: {e.message}", file=sys.stderr)
+        return 1
+    except TemplateError as e:
+        print(f"kdagen: error: rendering a template: {e.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("kdagen: interrupted", file=sys.stderr)

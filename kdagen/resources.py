@@ -31,8 +31,8 @@ SCAN_TILE_BYTES = 8192
 # more blocks (session 20, H100: about one block per SM was fastest at 8 and 32 planes).
 SCAN_ROWS_CHOICES = (32, 16, 8)
 # The scan's table of products per sequence (chunk.h ScanItem: 6 bytes, kMaxScanItems) and
-# its count, in static shared memory beside the ring and the rows.
-SCAN_TABLE_BYTES = 6 * 254 + 4
+# its two counts (num_items, num_lead), in static shared memory beside the ring and the rows.
+SCAN_TABLE_BYTES = 6 * 254 + 8
 SCAN_SHARED_LIMIT = 42 * 1024  # within CDNA's 64 KB of LDS and NVIDIA's 48 KB of static shared memory
 
 
@@ -80,6 +80,11 @@ def scan_rows_for(plans: tuple[ScanPlan, ...], head_dim: int, planes: int, compu
 # Most fp32 state values one lane may hold across the chunk walk.
 MAX_STATE_REGS_PER_LANE = 64
 MAX_THREADS_PER_BLOCK = 1024
+# Most waves of a chunk-scan block on CDNA (wave64): a CU's four SIMDs share a block's
+# waves, and each SIMD's 512 registers a lane (VGPRs and AGPRs) go to its waves, so 8
+# waves get 256 each and 16 only 128, too few beside a 64-value state (d256 bv256 on
+# gfx90a spilled 88-816 bytes a lane in every chunk kernel; session 26 review).
+MAX_CHUNK_WAVES_WAVE64 = 8
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,13 @@ class KernelSpec(BaseModel):
                     f"block_width = {bv}: {bv // 16} waves of {t.wave_size} is {fp.threads} "
                     f"threads, more than {resources.MAX_THREADS_PER_BLOCK}; use a smaller block_width"
                 )
+            waves = fp.threads // t.wave_size
+            if t.wave_size == 64 and waves > resources.MAX_CHUNK_WAVES_WAVE64:
+                raise ValueError(
+                    f"block_width = {bv} on {t.name}: {waves} waves of 64 share a CU's four SIMDs, "
+                    f"{512 * 4 // waves} registers a lane each, too few beside the chunk scan's "
+                    f"state (it would spill); use block_width <= {16 * resources.MAX_CHUNK_WAVES_WAVE64}"
+                )
             if fp.shared_mem > t.shared_mem:
                 raise ValueError(
                     f"chunk_size = {c}, head_dim = {d}: the chunk scan needs {fp.shared_mem} bytes "

@@ -65,9 +65,18 @@ def hip_env() -> dict[str, str]:
     return env
 
 
+def _named(var: str) -> str | None:
+    """The compiler a KDAGEN_* variable names: a file, or a ToolchainError (never a quiet
+    fall back to another compiler)."""
+    path = os.environ.get(var)
+    if path and not Path(path).is_file():
+        raise ToolchainError(f"{var}={path} is not a file: point it at the compiler, or unset it")
+    return path or None
+
+
 @lru_cache(maxsize=None)
 def find_nvcc() -> str:
-    cands = [os.environ.get("KDAGEN_NVCC"), shutil.which("nvcc")]
+    cands = [_named("KDAGEN_NVCC"), shutil.which("nvcc")]
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home:
             cands.append(str(Path(home) / "bin" / "nvcc"))
@@ -81,7 +90,7 @@ def find_nvcc() -> str:
 
 @lru_cache(maxsize=None)
 def find_hipcc() -> str:
-    cands = [os.environ.get("KDAGEN_HIPCC"), shutil.which("hipcc")]
+    cands = [_named("KDAGEN_HIPCC"), shutil.which("hipcc")]
     for home in (os.environ.get("ROCM_PATH"), "/opt/rocm"):
         if home:
             cands.append(str(Path(home) / "bin" / "hipcc"))
@@ -116,6 +125,18 @@ def hipcc_knows(path: str, arch: str) -> bool:
         except (OSError, subprocess.TimeoutExpired):
             return False
     return out.returncode == 0 and "invalid target" not in out.stderr
+
+
+# Variables the compilers read themselves, which change what they build: part of the
+# cache key (kdagen/build.py), so a build under one is never reused without it.
+COMPILER_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "HIPCC_COMPILE_FLAGS_APPEND",
+                "HIPCC_LINK_FLAGS_APPEND", "HIP_CLANG_PATH", "HIP_PLATFORM", "HIP_PATH", "ROCM_PATH",
+                "CUDA_HOME", "CUDA_PATH")
+
+
+def compiler_env() -> dict[str, str]:
+    """The COMPILER_ENV variables that are set."""
+    return {k: os.environ[k] for k in COMPILER_ENV if os.environ.get(k)}
 
 
 def extra_device_flags() -> tuple[str, ...]:

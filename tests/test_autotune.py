@@ -438,3 +438,38 @@ def test_compute_units_while_tracing_skip_the_cache(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     monkeypatch.setattr(groups, "_cus", lambda index: pytest.fail("the cache was used while tracing"))
     assert groups.num_compute_units(torch.device("cuda", 1)) == 132 and reads == [1]
+
+
+def test_load_of_a_loaded_variant_plans_and_builds_nothing(monkeypatch):
+    """kdagen.load of a spec this process loaded (kda_forward does it every forward pass)
+    returns the loaded handle without planning, hashing or rebuilding; another spec, or
+    the same one under other resource constants, goes through the build."""
+    import types
+
+    from kdagen import jit, resources
+
+    builds = []
+
+    def fake_build(spec, mode, **kw):
+        builds.append(spec.uri)
+        return types.SimpleNamespace(key=f"key-{len(builds)}", library="/none.so")
+
+    class Ops:
+        def __getattr__(self, name):
+            return lambda *a: None
+
+    monkeypatch.setattr(jit, "build", fake_build)
+    monkeypatch.setattr(jit, "_dlopen", lambda entry, verbose=None: None)
+    monkeypatch.setattr(jit, "_register_fakes", lambda spec: None)
+    monkeypatch.setattr(jit, "torch", types.SimpleNamespace(ops=types.SimpleNamespace(kdagen=Ops())))
+    monkeypatch.setattr(jit, "_loaded", {})
+    monkeypatch.setattr(jit, "_loaded_specs", {})
+    monkeypatch.setenv("KDAGEN_REBUILD", "1")
+    a = jit.load(spec())
+    assert jit.load(spec()) is a and jit.load(spec()) is a and len(builds) == 1
+    jit.load(spec(chunk_size=32))
+    assert len(builds) == 2
+    monkeypatch.setattr(resources, "PASS_ONE_LEAD", resources.PASS_ONE_LEAD + 1)
+    with pytest.raises(RuntimeError, match="already loaded from another build"):
+        jit.load(spec())  # other constants: a new build, whose ops cannot replace the loaded ones
+    assert len(builds) == 3

@@ -312,6 +312,42 @@ def test_key_changes_with_templates(fake_cc, monkeypatch):
     assert changed.root.name.startswith(spec().name + "-") and changed.root != base.root
 
 
+@pytest.mark.parametrize("var", ["NVCC_APPEND_FLAGS", "HIPCC_COMPILE_FLAGS_APPEND", "HIP_CLANG_PATH"])
+def test_key_changes_with_a_variable_the_compiler_reads(fake_cc, monkeypatch, var):
+    """The compilers read these themselves (a build under -lineinfo from NVCC_APPEND_FLAGS
+    was reused without it): they are part of the key."""
+    monkeypatch.delenv(var, raising=False)
+    base = plan(spec(), "objects")
+    monkeypatch.setenv(var, "-lineinfo")
+    assert plan(spec(), "objects").key != base.key
+    monkeypatch.delenv(var)
+    assert plan(spec(), "objects").key == base.key
+
+
+def test_key_changes_with_the_compilers_own_flags(fake_cc, monkeypatch):
+    """kdagen's fixed compile flags (-O3, ...) are in the key, not only the extra ones."""
+    base = plan(spec(), "objects")
+    real = DeviceCompiler.compile_command
+    monkeypatch.setattr(DeviceCompiler, "compile_command",
+                        lambda self, *a: [x.replace("-O3", "-O1") for x in real(self, *a)])
+    assert plan(spec(), "objects").key != base.key
+
+
+@pytest.mark.parametrize("var, finder", [("KDAGEN_NVCC", "find_nvcc"), ("KDAGEN_HIPCC", "find_hipcc")])
+def test_a_named_compiler_that_is_not_there_is_an_error(monkeypatch, var, finder):
+    """KDAGEN_NVCC / KDAGEN_HIPCC naming nothing: an error, not another compiler quietly."""
+    from kdagen import toolchain
+    from kdagen.toolchain import ToolchainError
+
+    getattr(toolchain, finder).cache_clear()
+    monkeypatch.setenv(var, "/nonexistent/cc")
+    try:
+        with pytest.raises(ToolchainError, match=f"{var}=/nonexistent/cc is not a file"):
+            getattr(toolchain, finder)()
+    finally:
+        getattr(toolchain, finder).cache_clear()
+
+
 def test_key_changes_with_a_resource_constant_that_changes_the_sources(fake_cc, monkeypatch):
     from kdagen import resources
 
@@ -891,3 +927,35 @@ def test_clear_cache_during_a_set_build(fake_cc, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_dollar_in_the_cache_path_is_escaped_for_ninja(fake_cc, monkeypatch, tmp_path):
+    """ninja expands $x in a command: a cache path with a $ must reach the compiler whole."""
+    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "cache sp$x"))
+    text = ninja_text(plan(spec(), "objects"))
+    commands = [line for line in text.splitlines() if line.strip().startswith("command =")]
+    assert commands and any("sp$$x" in c for c in commands)
+    assert not any(re.search(r"sp\$x", c.replace("$$", "")) for c in commands)
+
+
+@pytest.mark.parametrize("text", ["[]", "{\"artefacts\": []}", "3"])
+def test_a_manifest_of_the_wrong_shape_is_not_built(fake_cc, cache, text):
+    """Valid JSON that is not a manifest: the entry counts as not built (rebuilt), and
+    `cache list` skips it; no traceback."""
+    e = plan(spec(), "objects")
+    e.root.mkdir(parents=True)
+    (e.root / "manifest.json").write_text(text)
+    assert e.manifest() is None and e.problem() == "not built"
+    assert kb.cached_entries() == [] or all(isinstance(x, dict) for x in kb.cached_entries())
+
+
+def test_a_broken_template_is_one_line_with_its_file_and_line(monkeypatch, capsys):
+    from jinja2 import TemplateSyntaxError
+
+    def broken(*a, **k):
+        raise TemplateSyntaxError("unexpected '}'", 6, name="kernels.hip.j2", filename="kernels.hip.j2")
+
+    monkeypatch.setattr(kb, "build_many", broken)
+    assert cli.main(["build", "--compile-only"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "kdagen: error: template kernels.hip.j2:6: unexpected '}'"

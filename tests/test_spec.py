@@ -505,3 +505,12 @@ def test_with_target_revalidates_resources():
         s.with_target("gfx942")
     with pytest.raises(SpecError, match="head_dim = 256 on sm_90"):
         s.with_target("sm_90")
+
+
+@pytest.mark.parametrize("target", ["gfx90a", "gfx942", "gfx950"])
+def test_cdna_chunk_blocks_of_more_than_eight_waves_are_refused(target):
+    """16 waves of 64 would get 128 registers a lane each and spill around the state."""
+    msg = refusal({"head_dim": 256, "chunk_size": 32, "block_width": 256, "target": target})
+    assert "16 waves of 64" in msg and "use block_width <= 128" in msg
+    assert KernelSpec.parse({"head_dim": 256, "chunk_size": 32, "block_width": 128,
+                             "target": target}).block_width == 128
