@@ -98,8 +98,8 @@ class Entry:
     def problem(self) -> str | None:
         """Why this entry cannot be used as it is (None: complete and intact)."""
         m = self.manifest()
-        if m is None:
-            return "not built"
+        if m is None:  # never published (ninja's log keeps what finished), or damaged
+            return "manifest unreadable" if (self.root / MANIFEST).exists() else "not built"
         if m.get("key") != self.key:
             return "manifest belongs to another build"
         for rel, digest in m.get("artefacts", {}).items():
@@ -282,8 +282,10 @@ def first_error(log: str) -> tuple[str, int, str] | None:
 
 def _failure(log_path: Path, log: str, what: str) -> BuildError:
     err = first_error(log)
-    if err is None:
-        tail = "\n".join(log.strip().splitlines()[-15:])
+    if err is None:  # no file:line error (a crash, a kill): from ninja's FAILED line on
+        lines = log.strip().splitlines()
+        failed = next((i for i, ln in enumerate(lines) if ln.startswith("FAILED:")), None)
+        tail = "\n".join(lines[failed:failed + 15] if failed is not None else lines[-15:])
         return BuildError(f"{what} failed:\n{tail}\nfull log: {log_path}")
     file, line, msg = err
     src_line = ""
@@ -377,7 +379,10 @@ def build_many(specs: Iterable[KernelSpec], mode: Mode = "full", *, verbose: boo
             problem = e.problem()
             if problem not in (None, "not built"):
                 _say(f"rebuilding {e.name}: {problem}")
-            _invalidate(e)
+            if force or problem not in (None, "not built"):
+                _invalidate(e)
+            else:  # never finished: ninja's log keeps what a stopped or failed build completed
+                (e.root / MANIFEST).unlink(missing_ok=True)
             _prepare(e)
             if e.device.note:
                 _say(e.device.note)

@@ -62,6 +62,8 @@ if os.environ.get("FAKE_CC_PARTIAL"):
         f.write(body[:100])
 time.sleep(float(os.environ.get("FAKE_CC_SLEEP") or 0))
 line = os.environ.get("FAKE_CC_FAIL")
+if line and os.environ.get("FAKE_CC_FAIL_ONLY", "") not in src:  # only sources whose path holds it
+    line = None
 if line:
     print(f"In file included from {{src}}:1:", file=sys.stderr)
     print(f"{{src}}:3:1: warning: something harmless [-Wfake]", file=sys.stderr)
@@ -74,7 +76,11 @@ if line:
         print(f"{{src}}:{{int(line) + 1}}:1: error: a second error", file=sys.stderr)
         print("2 errors generated.", file=sys.stderr)
     sys.exit(1)
-if os.environ.get("FAKE_CC_CRASH"):
+if os.environ.get("FAKE_CC_CHATTY") and os.environ.get("FAKE_CC_FAIL_ONLY", "") not in src:
+    time.sleep(0.5)  # finishes after the other variant failed, with much to say
+    for i in range(30):
+        print(f"remark: {{src}}: kernel resource usage line {{i}}", file=sys.stderr)
+if os.environ.get("FAKE_CC_CRASH") and os.environ.get("FAKE_CC_FAIL_ONLY", "") in src:
     print("the compiler crashed: Segmentation fault (core dumped)", file=sys.stderr)
     sys.exit(139)
 with open(out, "wb") as f:
@@ -141,7 +147,7 @@ def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("KDAGEN_CACHE_DIR", str(root))
     for var in ("KDAGEN_REBUILD", "KDAGEN_VERBOSE", "KDAGEN_JOBS", "KDAGEN_ARCH",
-                "FAKE_CC_SLEEP", "FAKE_CC_FAIL", "FAKE_CC_STYLE", "FAKE_CC_PARTIAL",
+                "FAKE_CC_SLEEP", "FAKE_CC_FAIL", "FAKE_CC_FAIL_ONLY", "FAKE_CC_CHATTY", "FAKE_CC_STYLE", "FAKE_CC_PARTIAL",
                 "FAKE_CC_CRASH", "BUILDER_GO", "BUILDER_READY"):
         monkeypatch.delenv(var, raising=False)
     return root
@@ -451,11 +457,12 @@ def test_missing_artefact_is_detected_and_rebuilt(fake_cc):
     assert fake_cc.starts == 2 and e2.problem() is None
 
 
-@pytest.mark.parametrize("manifest, problem", [
-    (None, "not built"), ("{not json", "not built"),
-    (json.dumps({"key": "someone else", "artefacts": {}}), "manifest belongs to another build"),
+@pytest.mark.parametrize("manifest, problem, compiles", [
+    (None, "not built", 1),  # never published: ninja's log says the object is done
+    ("{not json", "manifest unreadable", 2), ("[]", "manifest unreadable", 2),
+    (json.dumps({"key": "someone else", "artefacts": {}}), "manifest belongs to another build", 2),
 ])
-def test_bad_manifest_is_rebuilt(fake_cc, manifest, problem):
+def test_bad_manifest_is_rebuilt(fake_cc, manifest, problem, compiles):
     e = build(spec(), "objects")
     m = e.root / "manifest.json"
     if manifest is None:
@@ -464,7 +471,7 @@ def test_bad_manifest_is_rebuilt(fake_cc, manifest, problem):
         m.write_text(manifest)
     assert e.problem() == problem
     assert build(spec(), "objects").problem() is None
-    assert fake_cc.starts == 2
+    assert fake_cc.starts == compiles
 
 
 def _nonblank_line(s: KernelSpec) -> tuple[int, str]:
@@ -945,7 +952,7 @@ def test_a_manifest_of_the_wrong_shape_is_not_built(fake_cc, cache, text):
     e = plan(spec(), "objects")
     e.root.mkdir(parents=True)
     (e.root / "manifest.json").write_text(text)
-    assert e.manifest() is None and e.problem() == "not built"
+    assert e.manifest() is None and e.problem() == "manifest unreadable"
     assert kb.cached_entries() == [] or all(isinstance(x, dict) for x in kb.cached_entries())
 
 
@@ -959,3 +966,32 @@ def test_a_broken_template_is_one_line_with_its_file_and_line(monkeypatch, capsy
     assert cli.main(["build", "--compile-only"]) == 1
     err = capsys.readouterr().err
     assert err.strip() == "kdagen: error: template kernels.hip.j2:6: unexpected '}'"
+
+
+def test_a_variant_set_resumes_after_one_variant_failed(fake_cc, monkeypatch):
+    """One variant of a set fails to compile: the others' finished objects are kept, and
+    the next build of the set compiles only the one that failed (ninja's log decides)."""
+    ok, bad = spec(), spec(gate="lower_bound")
+    line, _ = _nonblank_line(bad)
+    monkeypatch.setenv("FAKE_CC_FAIL", str(line))
+    monkeypatch.setenv("FAKE_CC_FAIL_ONLY", plan(bad, "objects").root.name)
+    with pytest.raises(BuildError):
+        build_many([ok, bad], "objects", jobs=1)
+    done = fake_cc.dones
+    monkeypatch.delenv("FAKE_CC_FAIL")
+    entries = build_many([ok, bad], "objects", jobs=1)
+    assert all(e.problem() is None for e in entries)
+    assert fake_cc.dones == done + 1  # only the failed variant compiled again
+
+
+def test_a_crash_in_a_set_shows_the_failed_command_not_the_log_end(fake_cc, monkeypatch):
+    """No file:line error: the message starts at ninja's FAILED line (the variant that
+    failed), not at the end of the log (another variant's output)."""
+    bad = spec(gate="lower_bound")
+    monkeypatch.setenv("FAKE_CC_CRASH", "1")
+    monkeypatch.setenv("FAKE_CC_FAIL_ONLY", plan(bad, "objects").root.name)
+    monkeypatch.setenv("FAKE_CC_CHATTY", "1")
+    with pytest.raises(BuildError) as info:
+        build_many([spec(), bad], "objects", jobs=2)
+    msg = str(info.value)
+    assert "FAILED:" in msg and "Segmentation fault" in msg
