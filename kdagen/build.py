@@ -1,11 +1,13 @@
 """Build variants with ninja into a content-addressed cache.
 
 An entry is ``<cache>/<variant-name>-<key>``, the key a hash of everything that
-changes the binary: canonical spec, templates and headers, compiler identity and
-flags, arch, torch and kdagen versions, and the build mode. Building follows
+changes the binary: canonical spec, templates and headers, compiler identity, its
+command line and the environment variables it reads (``toolchain.COMPILER_ENV``), arch,
+torch and kdagen versions, and the build mode. Building follows
 check, lock, check again: a complete entry (its manifest lists every artefact with
 a sha256) is used as it is; otherwise, under a file lock, ninja brings the entry up
-to date (incrementally, so a killed build resumes) and the manifest is written last,
+to date (incrementally, so a killed or failed build, of one variant or a set, resumes
+where ninja's log says it stopped) and the manifest is written last,
 by atomic rename. A library is linked to a temporary name and renamed into place,
 so no reader ever sees half of one.
 """
