@@ -464,5 +464,7 @@ def clear_cache() -> int:
         # same path would let a second builder in beside it.
         with FileLock(root / f"{d.name}.lock"):  # never pull an entry from under a build
             shutil.rmtree(d, ignore_errors=True)
+        if d.exists():  # a file it could not remove: say so, do not count it
+            raise BuildError(f"cannot remove {d} (permissions?); {n} entries were removed")
         n += 1
     return n

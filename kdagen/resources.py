@@ -236,6 +236,7 @@ class ChunkPlan:
     wg_update: bool = False  # the per-wave walks' state update per warpgroup (chunk_wg_update)
     pass_one_width: int = 0  # pass one's state rows per block (pass_one_width); 0: the block width
     pass_one_wg_vnew: bool = False  # with wg_update, pass one's v_new products per warpgroup (PASS_ONE_WG_VNEW)
+    pass_one_lds_blocks: int = 8  # pass-one blocks whose LDS one compute unit holds
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -248,10 +249,12 @@ class ChunkPlan:
     def pass_one_resident(self, block_width: int) -> int:
         """Pass-one blocks resident per compute unit: the launch bound's, or for paired
         blocks (up to 255 registers a lane) eight waves' worth: one block of eight waves
-        (bv128), two of four (bv64)."""
+        (bv128), two of four (bv64); at most as many as the compute unit's LDS holds
+        (gfx90a / gfx942 chunk 64 at bv64: one, 2 x 33 KB > 64 KB)."""
         if not self.pass_one_paired:
             return self.min_blocks
-        return max(1, 8 // max(1, self.width_of_pass_one(block_width) // 16))
+        waves = max(1, 8 // max(1, self.width_of_pass_one(block_width) // 16))
+        return max(1, min(waves, self.pass_one_lds_blocks))
 
 
 # Whether the chunk scan may issue its products per warpgroup (wgmma) where the target
@@ -306,8 +309,8 @@ CHUNK_U_APART = True
 # 0.614-0.620 -> 0.532-0.537 ms at 1x32768x32 in 8 groups (e2e 1.833-1.871 -> 1.741-1.754),
 # 1x131072x8 1.977 -> 1.839; 8 groups stay the best count (4: 1.827, 5: 1.917, 6: 2.075,
 # 16: 1.800 ms); with the swizzled tiles as well, slower (0.550). CDNA takes it on the same
-# evidence (its reads per row halve there too; gfx90a / gfx942 c64 222-228 VGPRs, no
-# scratch; untimed).
+# evidence (its reads per row halve there too; gfx90a / gfx942 c64 bv128: pass one
+# 174-204 VGPRs, its segments kernel 204-236, no scratch (session 26); untimed).
 PASS_ONE_PAIRED = True
 
 
@@ -406,13 +409,19 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
                                             st, True, wg, swizzle).shared_mem <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
+        one_bytes = pass_one_footprint(head_dim, chunk_size, width_one, io_dtype, wave_size,
+                                       one_stages, True, wg, swizzle).shared_mem
         return ChunkPlan(stages, True, blocks, wg, one_stages,
                          pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
                          walk_paired(chunk_size, block_width, wave_size, wg), wgu, width_one,
-                         wgu and PASS_ONE_WG_VNEW)
-    return ChunkPlan(1, footprint(1, True) <= shared_mem, 1,
-                     pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle,
-                     pass_one_width=width_one)
+                         wgu and PASS_ONE_WG_VNEW,
+                         max(1, (cu_shared_mem or shared_mem) // max(1, one_bytes + block_smem_reserve)))
+    uo = footprint(1, True) <= shared_mem
+    one_bytes = pass_one_footprint(head_dim, chunk_size, width_one, io_dtype, wave_size, 1, uo,
+                                   False, swizzle).shared_mem
+    return ChunkPlan(1, uo, 1, pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle,
+                     pass_one_width=width_one,
+                     pass_one_lds_blocks=max(1, (cu_shared_mem or shared_mem) // max(1, one_bytes)))
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

@@ -995,3 +995,12 @@ def test_a_crash_in_a_set_shows_the_failed_command_not_the_log_end(fake_cc, monk
         build_many([spec(), bad], "objects", jobs=2)
     msg = str(info.value)
     assert "FAILED:" in msg and "Segmentation fault" in msg
+
+
+def test_clear_cache_does_not_count_what_it_could_not_remove(fake_cc, cache, monkeypatch):
+    """An entry rmtree could not remove (a read-only folder, say) is an error naming it,
+    not one more in 'removed N entries'."""
+    build(spec(), "objects")
+    monkeypatch.setattr(kb.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    with pytest.raises(BuildError, match="cannot remove .*; 0 entries were removed"):
+        clear_cache()

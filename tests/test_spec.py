@@ -514,3 +514,18 @@ def test_cdna_chunk_blocks_of_more_than_eight_waves_are_refused(target):
     assert "16 waves of 64" in msg and "use block_width <= 128" in msg
     assert KernelSpec.parse({"head_dim": 256, "chunk_size": 32, "block_width": 128,
                              "target": target}).block_width == 128
+
+
+@pytest.mark.parametrize("fields, resident", [
+    (dict(target="gfx90a", chunk_size=64, block_width=64), 1),   # 2 x 33 KB > 64 KB of LDS
+    (dict(target="gfx942", chunk_size=64, block_width=64), 1),
+    (dict(target="sm_90", chunk_size=16, block_width=128), 1),  # eight waves a block
+    (dict(target="sm_90", chunk_size=16, block_width=64), 2),   # two blocks of four
+])
+def test_pass_one_residency_counts_the_compute_units_lds(fields, resident):
+    """The segment heuristic's pass-one blocks per compute unit (ChunkPlan.pass_one_resident)
+    never exceed what the unit's LDS holds."""
+    from kdagen.render import chunk_plan_for
+
+    s = KernelSpec.parse(fields)
+    assert chunk_plan_for(s).pass_one_resident(s.block_width) == resident
