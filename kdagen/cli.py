@@ -1,6 +1,7 @@
 """The ``kdagen`` command line.
 
-    kdagen build [SPEC.yaml] [--arch A ...] [--compile-only] render + build, print artefacts
+    kdagen build [SPEC.yaml] [--arch A ...] [--compile-only] [--report]
+                                                             render + build, print artefacts
     kdagen render [SPEC.yaml] -o DIR [--arch A ...]          write the sources
     kdagen variants GRID.yaml [--filter PAT] [--list]        expand a grid, build it all in one ninja graph
     kdagen generated [--check]                               re-render generated/ (the shipped variants)
@@ -54,18 +55,24 @@ def cmd_build(ns: argparse.Namespace) -> int:
     specs = _specs(ns.spec, ns.arch)
     mode = "objects" if ns.compile_only else "full"
     entries = build_many(specs, mode, verbose=ns.verbose or None, force=ns.force or None)
-    _print_artefacts(entries, ns.compile_only)
+    _print_artefacts(entries, ns.compile_only, ns.report)
     return 0
 
 
-def _print_artefacts(entries, compile_only: bool) -> None:
-    """Each build's artefacts on stdout; a compile-only build says what it did not do."""
+def _print_artefacts(entries, compile_only: bool, report: bool = False) -> None:
+    """Each build's artefacts on stdout; a compile-only build says what it did not do;
+    with ``report`` each variant's resource table (kdagen/resource_report.py)."""
     for e in entries:
         for a in e.artefacts():
             print(a)
     if compile_only:
         print("compile-only: device code compiled to objects; nothing was linked or loaded",
               file=sys.stderr)
+    if report:
+        from .resource_report import entry_resources, format_report
+
+        for e in entries:
+            print(format_report(e.name, entry_resources(e)))
 
 
 def cmd_render(ns: argparse.Namespace) -> int:
@@ -96,7 +103,7 @@ def cmd_variants(ns: argparse.Namespace) -> int:
     mode = "objects" if ns.compile_only else "full"
     entries = build_many(exp.specs, mode, verbose=ns.verbose or None, force=ns.force or None,
                          jobs=ns.jobs)
-    _print_artefacts(entries, ns.compile_only)
+    _print_artefacts(entries, ns.compile_only, ns.report)
     return 0
 
 
@@ -228,6 +235,9 @@ def parser() -> argparse.ArgumentParser:
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("-v", "--verbose", action="store_true", help="show the compiler lines")
         sp.add_argument("--force", action="store_true", help="rebuild even if cached")
+        sp.add_argument("--report", action="store_true",
+                        help="after the build, print each kernel's registers, spill / scratch bytes "
+                             "and static shared memory (cuobjdump; llvm-readelf on AMD); spills flagged")
 
     b = sub.add_parser("build", help="render and build a spec, print its artefacts",
                        description="Render and build one spec. " + DEFAULT_SPEC_NOTE)

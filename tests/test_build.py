@@ -1004,3 +1004,46 @@ def test_clear_cache_does_not_count_what_it_could_not_remove(fake_cc, cache, mon
     monkeypatch.setattr(kb.shutil, "rmtree", lambda path, ignore_errors=False: None)
     with pytest.raises(BuildError, match="cannot remove .*; 0 entries were removed"):
         clear_cache()
+
+
+CUOBJDUMP_RES = """
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _ZN6kdagen12chunk_kernelINS_6ConfigELi2ELb0EEEvNS_9ChunkArgsE:
+  REG:213 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[0]:728 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function _ZN6kdagen15prologue_kernelINS_6ConfigELb1EEEvNS_12PrologueArgsE:
+  REG:64 STACK:8 SHARED:1024 LOCAL:152 CONSTANT[0]:600 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+AMD_NOTES = """Displaying notes found in: .note
+  Owner                Data size 	Description
+  AMDGPU               0x00001ca9	NT_AMDGPU_METADATA (AMDGPU Metadata)
+    AMDGPU Metadata:
+        ---
+amdhsa.kernels:
+  - .agpr_count:     0
+    .group_segment_fixed_size: 42492
+    .name:           _ZN6kdagen17group_scan_kernelINS_6ConfigELi32ELi3EEEvNS_9ChunkArgsE
+    .private_segment_fixed_size: 0
+    .vgpr_count:     170
+  - .group_segment_fixed_size: 0
+    .name:           _ZN6kdagen12chunk_kernelINS_6ConfigELi3ELb1EEEvNS_9ChunkArgsE
+    .private_segment_fixed_size: 104
+    .vgpr_count:     256
+amdhsa.target:   amdgcn-amd-amdhsa--gfx90a
+...
+"""
+
+
+def test_resource_report_reads_both_vendors_tables():
+    from kdagen.resource_report import format_report, parse_amd_notes, parse_cuobjdump
+
+    nv = parse_cuobjdump(CUOBJDUMP_RES)
+    assert [(r.kernel, r.registers, r.spill_bytes, r.static_shared) for r in nv] == [
+        ("chunk_kernel<Config, 2, false>", 213, 0, 1024), ("prologue_kernel<Config, true>", 64, 160, 1024)]
+    amd = parse_amd_notes(AMD_NOTES)
+    assert [(r.kernel, r.registers, r.spill_bytes, r.static_shared) for r in amd] == [
+        ("group_scan_kernel<Config, 32, 3>", 170, 0, 42492), ("chunk_kernel<Config, 3, true>", 256, 104, 0)]
+    text = format_report("v", nv + amd)
+    assert text.count("<- spills") == 2 and "prologue_kernel<Config, true>" in text

@@ -296,3 +296,23 @@ def test_ptxas_report_parser_finds_spills_of_one_variant():
     ])
     assert _ptxas_report(log, "a") == {"_ZN6kdagen15prologue_kernelX": 12}
     assert _ptxas_report(log, "b") == {"_ZN6kdagen15prologue_kernelX": 0}
+
+
+# ---- resources: no kernel of a shipped variant spills ------------------------------------------
+
+
+@pytest.mark.parametrize("name", _params(("gfx90a", "gfx942", "sm_90")))
+def test_no_shipped_kernel_spills(built, name):
+    """`kdagen build --report`'s table (kdagen/resource_report.py) of each shipped variant
+    on each target: every kernel present, none with spill / scratch bytes."""
+    from kdagen.resource_report import ReportError, entry_resources
+
+    try:
+        rows = entry_resources(built[name])
+    except ReportError as e:
+        pytest.skip(str(e))
+    kernels = {r.kernel.split("<")[0] for r in rows}
+    assert {"chunk_kernel", "prologue_kernel", "group_scan_kernel", "recurrent_kernel"} <= kernels, kernels
+    spilling = [(r.kernel, r.spill_bytes) for r in rows if r.spills]
+    assert not spilling, spilling
+    assert all(r.registers > 0 for r in rows if "conv_state" not in r.kernel)
