@@ -32,7 +32,8 @@ SCAN_TILE_BYTES = 8192
 SCAN_ROWS_CHOICES = (32, 16, 8)
 # The scan's table of products per sequence (chunk.h ScanItem: 6 bytes, kMaxScanItems) and
 # its two counts (num_items, num_lead), in static shared memory beside the ring and the rows.
-SCAN_TABLE_BYTES = 6 * 254 + 8
+MAX_SCAN_ITEMS = 254  # launch_args.h kMaxScanItems
+SCAN_TABLE_BYTES = 6 * MAX_SCAN_ITEMS + 8
 SCAN_SHARED_LIMIT = 42 * 1024  # within CDNA's 64 KB of LDS and NVIDIA's 48 KB of static shared memory
 
 

@@ -556,3 +556,15 @@ def test_scan_plans_fit_lds_and_tile_the_block(head_dim, rows):
 ])
 def test_scan_rows_for_aims_at_a_block_per_compute_unit(planes, cus, rows):
     assert resources.scan_rows_for(resources.scan_plans(128), 128, planes, cus) == rows
+
+
+def test_scan_item_limit_is_one_number():
+    """The group scan's item limit: launch_args.h's kMaxScanItems is the one resources.py
+    counts the scan's LDS by (the binding and chunk.h use the header's)."""
+    import re
+    from pathlib import Path
+
+    from kdagen import resources
+
+    header = (Path(__file__).resolve().parents[1] / "templates/include/kdagen/launch_args.h").read_text()
+    assert int(re.search(r"constexpr int kMaxScanItems = (\d+);", header).group(1)) == resources.MAX_SCAN_ITEMS

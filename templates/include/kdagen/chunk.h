@@ -902,8 +902,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS((ChunkLayout<Cfg, true, false, kPairedRows<
 // last group start there, or slot G - 1 + s). With one segment per group (P = G - 1) that
 // is S_start(g) = S_start(g - 1) R + B from slot g - 1, each item X. ScanItem packs the
 // slot, the group whose start it is (or -1) and whether it is X_{s+1}. At most
-// G + P - 2 <= 253 items (kdagen/checks.py keeps them so).
-constexpr int kMaxScanItems = 254;
+// G + P - 2 <= kMaxScanItems items (launch_args.h; kdagen/checks.py keeps them so).
 struct ScanItem {
   int16_t slot, group;
   bool next_x;

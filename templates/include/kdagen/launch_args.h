@@ -7,6 +7,11 @@
 
 namespace kdagen {
 
+// The group scan's table of products per sequence holds at most G + P - 2 items (chunk.h
+// ScanItem): the binding refuses more, the scan sizes its table by it, and
+// kdagen/resources.py (MAX_SCAN_ITEMS) counts its LDS.
+constexpr int kMaxScanItems = 254;
+
 // Token-major activations [.., T, H, D]: element (t, h, d) at t * token + h * head + d.
 struct Strided {
   const void* ptr;
