@@ -3,7 +3,8 @@
     kdagen build [SPEC.yaml] [--arch A ...] [--compile-only] [--report]
                                                              render + build, print artefacts
     kdagen render [SPEC.yaml] -o DIR [--arch A ...]          write the sources
-    kdagen variants GRID.yaml [--filter PAT] [--list]        expand a grid, build it all in one ninja graph
+    kdagen variants GRID.yaml [--filter PAT] [--list] [--report]
+                                                             expand a grid, build it all in one ninja graph
     kdagen generated [--check]                               re-render generated/ (the shipped variants)
     kdagen targets                                           the GPUs kdagen knows
     kdagen cache list|clear                                  the build cache
