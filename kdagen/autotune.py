@@ -332,7 +332,7 @@ def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, rep
     x = _synthetic(kern, num_seqs, num_heads, chunks_per_seq, dev)
     defer = kern.scan_forms_u  # the form ``prefill`` uses on this variant
     p = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=defer)
-    u, akk = (x.v, p["akk"]) if defer else (p["u"], None)
+    u = x.v if defer else p["u"]  # the prologue returns akk only when it defers u
     out = torch.empty_like(p["w"])
     gen = torch.Generator(device="cpu").manual_seed(0)
     init = (torch.randn(num_seqs, num_heads, spec.head_dim, spec.head_dim, generator=gen) * 0.05).to(dev)
@@ -341,7 +341,7 @@ def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, rep
     def run(g: int) -> float:
         return _time_ms(lambda: kern.fused_kda_chunk(
             p["qg"], p["w"], u, p["kg_t"], p["aqk"], p["decay"], out, None, x.cu_seqlens,
-            init, True, groups=g, akk=akk), reps)
+            init, True, groups=g, akk=p.get("akk")), reps)
 
     with torch.cuda.device(dev):
         best, times = pick_fastest(group_candidates(chunks_per_seq, heuristic), run)

@@ -218,8 +218,7 @@ def run(shapes: list[tuple[int, int, int]], reps: int,
                 p = pro[i]
                 u = sets[i].v if defer else p["u"]
                 kern.fused_kda_chunk(p["qg"], p["w"], u, p["kg_t"], p["aqk"], p["decay"], outs[i],
-                                     None, sets[i].cu_seqlens, inits[i], True,
-                                     akk=p["akk"] if defer else None)
+                                     None, sets[i].cu_seqlens, inits[i], True, akk=p.get("akk"))
 
             groups = kern._choose_groups((t + C - 1) // C, n, h, torch.device("cuda"))  # as used
             row = Row(f"{n}x{t}x{h}", gate, th, C, groups, time_ms(ours, nsets, reps),

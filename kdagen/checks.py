@@ -175,27 +175,51 @@ def indices(op: str, name: str, t: object, n: int, rows: int, device: torch.devi
     return x
 
 
-RANGE_ENTRIES = 32
-_ranges: OrderedDict[tuple, tuple[weakref.ref, tuple[int, int]]] = OrderedDict()
+def memo_on() -> bool:
+    """Whether values read back from index tensors may be kept (``KDAGEN_SEQLEN_CACHE``)."""
+    return os.environ.get("KDAGEN_SEQLEN_CACHE", "1") != "0"
+
+
+class TensorMemo:
+    """What was read back from (or derived from the contents of) a small tensor, kept per
+    tensor and version counter (which every in-place torch op bumps), like FLA's
+    ``tensor_cache``: a hit reads nothing back. Not kept for inference-mode tensors (no
+    version counter), nor with ``KDAGEN_SEQLEN_CACHE=0``; at most ``size`` entries."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict[tuple, tuple[weakref.ref, object]] = OrderedDict()
+
+    def get(self, t: torch.Tensor, extra: object, compute):
+        """``compute()``, or what it gave for this tensor, version and ``extra`` before."""
+        if t.is_inference() or not memo_on():
+            return compute()
+        key = (id(t), t._version, t.data_ptr(), t.dtype, extra)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0]() is t:
+            self._entries.move_to_end(key)
+            return hit[1]
+        value = compute()
+        self._entries[key] = (weakref.ref(t), value)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_ranges = TensorMemo(32)
 
 
 def index_range(x: torch.Tensor) -> tuple[int, int]:
-    """``(min, max)`` of an index tensor: one host read, kept per tensor and version
-    counter like a checked ``cu_seqlens`` (``kdagen/seqlens.py``), so every layer of a
-    forward pass on one ``state_indices`` tensor reads it back once. Not kept for
-    inference-mode tensors (no version counter) or with ``KDAGEN_SEQLEN_CACHE=0``."""
-    cache = not x.is_inference() and os.environ.get("KDAGEN_SEQLEN_CACHE", "1") != "0"
-    key = (id(x), x._version, x.data_ptr(), x.dtype, x.numel()) if cache else None
-    hit = _ranges.get(key) if cache else None
-    if hit is not None and hit[0]() is x:
-        _ranges.move_to_end(key)
-        return hit[1]
-    lo, hi = (int(v) for v in torch.stack(torch.aminmax(x)).tolist())
-    if cache:
-        _ranges[key] = (weakref.ref(x), (lo, hi))
-        while len(_ranges) > RANGE_ENTRIES:
-            _ranges.popitem(last=False)
-    return lo, hi
+    """``(min, max)`` of an index tensor: one host read, kept per tensor version
+    (``TensorMemo``), so every layer of a forward pass on one ``state_indices`` tensor
+    reads it back once."""
+    return _ranges.get(x, x.numel(), lambda: tuple(int(v) for v in torch.stack(torch.aminmax(x)).tolist()))
 
 
 def flags(op: str, name: str, t: object, n: int, device: torch.device | None) -> torch.Tensor:

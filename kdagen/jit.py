@@ -50,7 +50,8 @@ def load(spec: KernelSpec | dict | str | Path, *, verbose: bool | None = None,
         # loaded before in this process with the same constants: its ops are bound for good
         # (torch ops cannot be replaced), so no planning, hashing or rebuilding on each call
         # (kda_forward loads its variant on every forward pass)
-        seen = _loaded_specs.get((spec.uri, resource_constants()))
+        loaded_key = (spec.uri, resource_constants())
+        seen = _loaded_specs.get(loaded_key)
         if seen is not None:
             return seen
         entry = build(spec, "full", verbose=verbose, force=force)
@@ -68,7 +69,7 @@ def load(spec: KernelSpec | dict | str | Path, *, verbose: bool | None = None,
         _register_fakes(spec)
         handle = Kernels(spec, ops, str(entry.library))
         _loaded[spec.name] = (entry.key, handle)
-        _loaded_specs[(spec.uri, resource_constants())] = handle
+        _loaded_specs[loaded_key] = handle
         return handle
 
 

@@ -397,6 +397,11 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     wgu = chunk_wg_update(chunk_size, warpgroup_mma, wg, swizzle) and async_copy
     # (the warpgroup walk's blocks are whole warpgroups: pass one keeps the block width there)
     width_one = block_width if wg else pass_one_width(head_dim, block_width)
+    one_bytes = lambda st, uo, w: pass_one_footprint(head_dim, chunk_size, width_one, io_dtype,
+                                                     wave_size, st, uo, w, swizzle).shared_mem
+    # pass-one blocks whose LDS one compute unit holds
+    lds_blocks = lambda st, uo, w: max(1, (cu_shared_mem or shared_mem)
+                                       // max(1, one_bytes(st, uo, w) + block_smem_reserve))
     least = 3 if wg else 2
     if async_copy and footprint(least, True, wg) <= shared_mem:
         blocks = chunk_min_blocks(chunk_size, block_width, wave_size)
@@ -406,23 +411,16 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         limit = min(share, shared_mem)
         fits = lambda st: footprint(st, True, wg) <= limit
         stages = max(st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st))
-        one = lambda st: pass_one_footprint(head_dim, chunk_size, width_one, io_dtype, wave_size,
-                                            st, True, wg, swizzle).shared_mem <= limit
+        one = lambda st: one_bytes(st, True, wg) <= limit
         one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
-        one_bytes = pass_one_footprint(head_dim, chunk_size, width_one, io_dtype, wave_size,
-                                       one_stages, True, wg, swizzle).shared_mem
         return ChunkPlan(stages, True, blocks, wg, one_stages,
                          pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
                          walk_paired(chunk_size, block_width, wave_size, wg), wgu, width_one,
-                         wgu and PASS_ONE_WG_VNEW,
-                         max(1, (cu_shared_mem or shared_mem) // max(1, one_bytes + block_smem_reserve)))
+                         wgu and PASS_ONE_WG_VNEW, lds_blocks(one_stages, True, wg))
     uo = footprint(1, True) <= shared_mem
-    one_bytes = pass_one_footprint(head_dim, chunk_size, width_one, io_dtype, wave_size, 1, uo,
-                                   False, swizzle).shared_mem
     return ChunkPlan(1, uo, 1, pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle,
-                     pass_one_width=width_one,
-                     pass_one_lds_blocks=max(1, (cu_shared_mem or shared_mem) // max(1, one_bytes)))
+                     pass_one_width=width_one, pass_one_lds_blocks=lds_blocks(1, uo, False))
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

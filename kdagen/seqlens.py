@@ -20,9 +20,6 @@ passes as ``cu_seqlens`` to the ops.
 
 from __future__ import annotations
 
-import os
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +52,12 @@ class SeqLens:
         return prepare_chunk_indices(self.cu32, self.chunk_size)
 
 
-_entries: OrderedDict[tuple, tuple[weakref.ref, SeqLens]] = OrderedDict()
+_entries = ck.TensorMemo(CACHE_ENTRIES)
 
 
 def caching() -> bool:
     """Whether a checked ``cu_seqlens`` may be reused (values readable, cache not off)."""
-    return ck.values_checkable() and os.environ.get("KDAGEN_SEQLEN_CACHE", "1") != "0"
+    return ck.values_checkable() and ck.memo_on()
 
 
 def prepare(cu_seqlens: torch.Tensor, chunk_size: int) -> SeqLens:
@@ -119,16 +116,9 @@ def checked(op: str, cu_seqlens: object, total_tokens: int, device: torch.device
     t = ck.tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=ck.INDEX_DTYPES, device=device)
     if t.is_inference():  # no version counter: an in-place change could not be seen
         return _uncached(op, t, total_tokens, device, chunk_size)
-    key = (id(t), t._version, t.data_ptr(), t.dtype, chunk_size)
-    hit = _entries.get(key)
-    if hit is not None and hit[0]() is t:
-        _entries.move_to_end(key)
-        ck.cu_end(op, hit[1].total_tokens, total_tokens)
-        return hit[1]
-    info = _derived(t, chunk_size, ck.cu_seqlens_values(op, t, total_tokens))
-    _entries[key] = (weakref.ref(t), info)
-    while len(_entries) > CACHE_ENTRIES:
-        _entries.popitem(last=False)
+    info = _entries.get(t, chunk_size,
+                        lambda: _derived(t, chunk_size, ck.cu_seqlens_values(op, t, total_tokens)))
+    ck.cu_end(op, info.total_tokens, total_tokens)  # a hit was checked against another call
     return info
 
 

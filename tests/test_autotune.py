@@ -357,7 +357,8 @@ class _FormRecorder:
     def fused_kda_prologue(self, q, k, v, *rest, defer_u=False):
         self.calls.append(("prologue", defer_u))
         planes = {n: torch.zeros_like(k) for n in ("qg", "w", "kg_t", "decay", "aqk")}
-        return {**planes, "akk": torch.zeros(1), **({} if defer_u else {"u": torch.full_like(v, 7.0)})}
+        # as the real prologue: akk in place of u when it defers u (ops.py)
+        return {**planes, **({"akk": torch.zeros(1)} if defer_u else {"u": torch.full_like(v, 7.0)})}
 
     def fused_kda_chunk(self, qg, w, u, *rest, groups=None, akk=None):
         self.calls.append(("chunk", "u" if u.eq(7.0).all() else "v", akk is not None))

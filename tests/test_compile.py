@@ -26,6 +26,7 @@ import pytest
 
 from kdagen.build import Entry, build_many, plan
 from kdagen.generated import shipped_specs
+from kdagen.resource_report import cuobjdump
 from kdagen.spec import KernelSpec
 
 pytestmark = pytest.mark.compile
@@ -180,33 +181,9 @@ def test_gfx_kernels_use_mfma(built, name, tmp_path):
 # ---- NVIDIA: HMMA in the SASS -----------------------------------------------------------------------
 
 
-def _cuobjdump() -> str | None:
-    cands = [os.environ.get("KDAGEN_CUOBJDUMP"), shutil.which("cuobjdump")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        cands += [str(Path(nvcc).parent / "cuobjdump"), str(Path(nvcc).resolve().parent / "cuobjdump")]
-        try:
-            from kdagen.toolchain import find_nvcc
-
-            cands.append(str(Path(find_nvcc()).parent / "cuobjdump"))
-        except Exception:
-            pass
-    cands += ["/usr/local/cuda/bin/cuobjdump"]
-    try:  # PyPI's nvidia-cuda-cuobjdump (scripts/setup.sh installs it where the toolkit lacks one)
-        import nvidia
-
-        cands += [str(p) for root in nvidia.__path__ for p in sorted(Path(root).glob("*/bin/cuobjdump"))]
-    except ImportError:
-        pass
-    for c in cands:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
-
-
 @pytest.mark.parametrize("name", _params(("sm_90",)))
 def test_sm90_kernels_use_hmma(built, name):
-    tool = _cuobjdump()
+    tool = cuobjdump()  # kdagen/resource_report.py: PATH, beside nvcc, /usr/local/cuda, PyPI
     if tool is None:
         pytest.skip("cuobjdump not found (PATH, next to nvcc, /usr/local/cuda/bin, KDAGEN_CUOBJDUMP)")
     env = dict(os.environ)
