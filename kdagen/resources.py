@@ -212,6 +212,9 @@ PASS_ONE_LEAD = 11
 
 # Pass one's blocks: this many state rows each (paired, as many transfer rows too) where it
 # divides the head dimension in 16-row tiles; 0: the spec's block width, as the other walks.
+# 0: at 64 (two blocks of four waves per SM in place of one of eight) pass one took 10%
+# longer (H100, session 27, c16 lower bound, 1x32768x32, two rounds: 0.442 -> 0.485 ms; at
+# 1x131072x8 0.544 -> 0.553).
 PASS_ONE_WIDTH = 0
 
 
@@ -235,6 +238,7 @@ class ChunkPlan:
     swizzle: bool = False  # 16-bit tiles unpadded with swizzled 16-byte pieces (chunk_swizzle)
     walk_paired: bool = False  # the single walk and pass two with two 16-row tiles a wave (walk_paired)
     wg_update: bool = False  # the per-wave walks' state update per warpgroup (chunk_wg_update)
+    wg_update_outputs: bool = False  # with wg_update, in the walks with outputs too (CHUNK_WG_UPDATE_OUTPUTS)
     pass_one_width: int = 0  # pass one's state rows per block (pass_one_width); 0: the block width
     pass_one_wg_vnew: bool = False  # with wg_update, pass one's v_new products per warpgroup (PASS_ONE_WG_VNEW)
     pass_one_lds_blocks: int = 8  # pass-one blocks whose LDS one compute unit holds
@@ -278,11 +282,23 @@ CHUNK_WGMMA = False
 # stage more and ptxas serialised the products (C7515): pass one 0.546 ms.
 CHUNK_WG_UPDATE = True
 
+# With CHUNK_WG_UPDATE, whether the walks with outputs (the single walk, pass two) update
+# per warpgroup too (True), or pass one alone does (False). Off: on the H100 (session 27,
+# c16 lower bound, one-call A/Bs, three calls alike) the walks with outputs take 6% longer
+# with it (single walk 0.562 -> 0.597 ms at 8x4096x32, pass two 0.551 -> 0.582 at
+# 1x32768x32; busy graph 1.233 -> 1.271 and 1.722 -> 1.743) while pass one gains 3%
+# (0.453 -> 0.439). On the H200 (session 24, one A/B) all three walks gained with it,
+# the walks with outputs 1.6% (0.450 -> 0.443, 0.441 -> 0.434): +0.007 ms there against
+# -0.035 ms on the H100 with it off. Pass one keeps it (it gains on both).
+CHUNK_WG_UPDATE_OUTPUTS = False
+
 
 # With the state update per warpgroup (CHUNK_WG_UPDATE), pass one's v_new^T = (-S^T) w^T
 # per warpgroup too: m64 x 16 x 16 products of four waves' state rows per k-slice, -S^T in
 # registers, the w tile copied K-major in core matrices; u = akk v stays per wave. Off:
-# untimed (prepared in session 25: the other half of pass one's mma.sync products).
+# pass one took 21% longer with it (H100, session 27, c16 lower bound, 1x32768x32, two
+# rounds: 0.442 -> 0.533-0.539 ms; at 1x131072x8 0.544 -> 0.605; with 64-row blocks too
+# 0.627 / 0.687). Kept, checked by the CPU emulation.
 PASS_ONE_WG_VNEW = False
 
 
@@ -416,7 +432,8 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
         return ChunkPlan(stages, True, blocks, wg, one_stages,
                          pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
-                         walk_paired(chunk_size, block_width, wave_size, wg), wgu, width_one,
+                         walk_paired(chunk_size, block_width, wave_size, wg), wgu,
+                         wgu and CHUNK_WG_UPDATE_OUTPUTS, width_one,
                          wgu and PASS_ONE_WG_VNEW, lds_blocks(one_stages, True, wg))
     uo = footprint(1, True) <= shared_mem
     return ChunkPlan(1, uo, 1, pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle,

@@ -324,8 +324,9 @@ from kdagen import reference as ref, resources
 from kdagen.emulate import emulated
 from kdagen.render import render
 from kdagen.testing import make_inputs, rel_err
-mode = sys.argv[1]  # off, on; vnew: pass one's v_new per warpgroup too; vnew64: and its blocks 64 rows
+mode = sys.argv[1]  # off, on; p1: pass one's alone; vnew: pass one's v_new per warpgroup too; vnew64: and its blocks 64 rows
 resources.CHUNK_WG_UPDATE = mode != "off"
+resources.CHUNK_WG_UPDATE_OUTPUTS = mode != "p1"
 resources.PASS_ONE_WG_VNEW = mode.startswith("vnew")
 resources.PASS_ONE_WIDTH = 64 if mode == "vnew64" else 0
 D = int(sys.argv[2])
@@ -333,6 +334,7 @@ kern = emulated(dict(head_dim=D, chunk_size=16, block_width=D, gate="lower_bound
 src = render(kern.spec).files["kernels.hip"]
 assert f"kChunkWgUpdate = {'true' if mode != 'off' else 'false'};" in src
 assert f"kPassOneWgVnew = {'true' if mode.startswith('vnew') else 'false'};" in src
+assert f"kChunkWgUpdateOutputs = {'true' if mode not in ('off', 'p1') else 'false'};" in src
 x = make_inputs([1, 15, 17, 37, 115], 2, D, device="cpu", gate="lower_bound", seed=16)
 init = torch.randn(5, 2, D, D, generator=torch.Generator().manual_seed(2)) * 0.1
 o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
@@ -349,11 +351,12 @@ print(*errs)
 
 
 @needs_clang
-@pytest.mark.parametrize("mode,head_dim", [("on", 128), ("on", 64), ("off", 128), ("vnew", 128),
-                                           ("vnew", 64), ("vnew64", 128)])
+@pytest.mark.parametrize("mode,head_dim", [("on", 128), ("on", 64), ("p1", 128), ("off", 128),
+                                           ("vnew", 128), ("vnew", 64), ("vnew64", 128)])
 def test_warpgroup_state_update_matches_the_reference(mode, head_dim, emulate_cache):
     """The sm_90 walks at chunk 16 with their state update as warpgroup products
-    (resources.CHUNK_WG_UPDATE, on) and without (off), and with pass one's v_new products
+    (resources.CHUNK_WG_UPDATE, on: in every walk, CHUNK_WG_UPDATE_OUTPUTS; p1: in pass
+    one alone, the default) and without (off), and with pass one's v_new products
     per warpgroup too (PASS_ONE_WG_VNEW; vnew64: in blocks of 64 rows, PASS_ONE_WIDTH),
     in a process of its own, copies landing as late as cp.async allows, workspace
     poisoned: the single walk, pass one per

@@ -150,7 +150,8 @@ def test_default_constexprs():
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
         "kWalkPaired": "false",  # resources.walk_paired: on (v22), at chunk 16 only
         "kChunkWgUpdate": "false",  # resources.chunk_wg_update: on (v26), at chunk 16 only
-        "kPassOneWgVnew": "false",  # resources.PASS_ONE_WG_VNEW: prepared, untimed (session 25)
+        "kChunkWgUpdateOutputs": "false",  # resources.CHUNK_WG_UPDATE_OUTPUTS: pass one alone (session 27)
+        "kPassOneWgVnew": "false",  # resources.PASS_ONE_WG_VNEW: timed slower (session 27)
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),
@@ -242,6 +243,17 @@ def test_warpgroup_state_update_at_chunk_16_on_hopper(spec, on):
     timed (sm_90a, chunk 16); the template then takes it per walk, for blocks of whole
     warpgroups."""
     assert constexprs(kernels(spec))["kChunkWgUpdate"] == on
+
+
+def test_warpgroup_state_update_in_pass_one_alone_by_default(monkeypatch):
+    """resources.CHUNK_WG_UPDATE_OUTPUTS: the walks with outputs keep the per-wave update
+    (H100, session 27) unless it is set; pass one's update stays per warpgroup."""
+    spec = dict(chunk_size=16)
+    assert constexprs(kernels(spec))["kChunkWgUpdateOutputs"] == "false"
+    monkeypatch.setattr(resources, "CHUNK_WG_UPDATE_OUTPUTS", True)
+    assert constexprs(kernels(spec))["kChunkWgUpdateOutputs"] == "true"
+    monkeypatch.setattr(resources, "CHUNK_WG_UPDATE", False)
+    assert constexprs(kernels(spec))["kChunkWgUpdateOutputs"] == "false"
 
 
 @pytest.mark.parametrize("spec, wgmma", [

@@ -246,8 +246,10 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // Cfg::kChunkWgUpdate: the per-wave walk's state update as warpgroup products (wgmma,
   // m64 x D x 16 per tile of four waves' rows, the accumulators the state in its mma.sync
   // layout, the kg tile K-major in core matrices), the v_new / o products per wave as
-  // before; for blocks of whole warpgroups.
-  constexpr bool kWgU = Cfg::kChunkWgUpdate && !kWg && (NT / kWaveSize) % 4 == 0;
+  // before; for blocks of whole warpgroups; in the walks with outputs only with
+  // Cfg::kChunkWgUpdateOutputs.
+  constexpr bool kWgU = Cfg::kChunkWgUpdate && (kPassOne || Cfg::kChunkWgUpdateOutputs) && !kWg &&
+                        (NT / kWaveSize) % 4 == 0;
   static_assert(!kWgU || !kSwz, "the warpgroup state update reads a core-matrix kg tile");
   // Cfg::kPassOneWgVnew: pass one's v_new^T = (-S^T) w^T per warpgroup too (m64 x C x 16 per
   // k-slice, -S^T from registers, the w tile K-major in core matrices), beside that update.
