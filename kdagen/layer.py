@@ -55,7 +55,8 @@ def kda_forward(
     default), or ``[N, H, V, K]`` with ``state_v_first=True`` (vLLM's layout, the one the
     kernels keep: the K-first layout costs a transposed copy of the state each way).
     ``cu_seqlens`` needs B == 1 (a ``kdagen.prepare_seqlens`` result works too, and then
-    nothing is read back to the host); ``cu_seqlens_cpu`` and ``disable_recompute`` change
+    nothing is read back to the host); it may end before T (a padded tail: those tokens'
+    outputs are left unwritten); ``cu_seqlens_cpu`` and ``disable_recompute`` change
     nothing here (forward only). Refused with a ValueError: ``allow_neg_eigval``,
     ``return_intermediate_states`` (the chunk op's checkpoints do this),
     ``cp_context`` and ``use_graph`` (capture the ops themselves: README).

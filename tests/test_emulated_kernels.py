@@ -375,6 +375,33 @@ def test_warpgroup_state_update_matches_the_reference(mode, head_dim, emulate_ca
 
 
 @needs_clang
+@pytest.mark.parametrize("target,groups", [("sm_90", 1), ("sm_90", 3), ("gfx90a", 1)])
+def test_padded_tail_is_left_alone(target, groups):
+    """cu_seqlens ending before T (an engine's CUDA-graph padding, accepted as the
+    production wrapper accepts it): the sequences' outputs and states are exact, and the
+    tail's output is never written (it keeps the poison) and its tokens do not reach the
+    sequences (tail inputs at 1e4 would swamp any read of them)."""
+    C = 32
+    kern = emulated(head_dim=64, chunk_size=C, block_width=32, gate="lower_bound", target=target)
+    x = make_inputs([C + 5, 2 * C + 3], 2, 64, device="cpu", gate="lower_bound", seed=11)
+    pad = 2 * C - 5  # the last chunk of the last sequence is partial, the tail spans chunks
+    grow = lambda t, fill: torch.cat([t, torch.full((1, pad, *t.shape[2:]), fill, dtype=t.dtype)], 1)
+    q, k, v, g, beta = (grow(t, 1e4) for t in (x.q, x.k, x.v, x.g, x.beta))
+    init = torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(5)) * 0.1
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
+    p = kern.fused_kda_prologue(q, k, v, g, beta, x.A_log, x.dt_bias, None, x.lower_bound,
+                                x.cu_seqlens)
+    T = x.q.shape[1]
+    assert p["qg"].shape[1] == T + pad and p["kg_t"].shape[0] == 2 + 3
+    out = torch.full_like(v, float("nan"))
+    o, s = kern.fused_kda_chunk(*(p[n] for n in OPS), out, None, x.cu_seqlens, init, True,
+                                groups=groups)
+    assert rel_err(o[:, :T], o_ref) < TOL and rel_err(s, s_ref) < TOL
+    assert o[:, T:].isnan().all()
+
+
+@needs_clang
 @pytest.mark.parametrize("target,gate", [("sm_90", "lower_bound"), ("gfx90a", "lower_bound"),
                                          ("sm_90", "softplus")])
 def test_strong_decay_stays_finite_and_exact(target, gate):

@@ -228,6 +228,26 @@ def test_end_to_end_against_token_recurrence(spec, gate, strong, deferred, recor
     assert rel_err(fin, s_ref) < BF16_TOL
 
 
+@pytest.mark.parametrize("groups", [1, 4])
+def test_padded_tail_is_left_alone(groups, record, monkeypatch):
+    """cu_seqlens ending before T (CUDA-graph padding): the sequences exact, the tail's
+    output never written (poisoned), the tail's inputs (1e4) never read into a sequence."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    kern = kernels(head_dim=128, chunk_size=16, block_width=128, gate="lower_bound")
+    x = make_inputs([16 * 40 + 5, 300, 7], 2, 128, gate="lower_bound", seed=21)
+    T, pad = x.q.shape[1], 16 * 3 + 9
+    grow = lambda t: torch.cat([t, torch.full((1, pad, *t.shape[2:]), 1e4, dtype=t.dtype, device=DEV)], 1)
+    q, k, v, g, beta = (grow(t) for t in (x.q, x.k, x.v, x.g, x.beta))
+    init = torch.randn(3, 2, 128, 128, device=DEV) * 0.1
+    o, fin = kern.prefill(q, k, v, g, beta, x.A_log, x.dt_bias, None, x.lower_bound, x.cu_seqlens,
+                          init, True, groups=groups)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                  cu_seqlens=x.cu_seqlens, initial_state=init)
+    record(out=rel_err(o[:, :T], o_ref), state=rel_err(fin, s_ref))
+    assert rel_err(o[:, :T], o_ref) < BF16_TOL and rel_err(fin, s_ref) < BF16_TOL
+    assert o[:, T:].isnan().all()
+
+
 def test_every_group_count_matches_single_walk(record):
     kern = kernels(head_dim=128)
     x = make_inputs([40 * 64 + 17, 64 * 9, 5], 2, 128, seed=5)

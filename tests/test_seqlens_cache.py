@@ -61,8 +61,9 @@ def test_in_place_change_is_checked_again(fresh):
 def test_hit_with_another_token_count_still_fails():
     cu = torch.tensor([0, 64, 128], dtype=torch.int32)
     seqlens.checked("op", cu, 128, None, 64)
-    with pytest.raises(ValueError, match="must end at the token count 129, got 128"):
-        seqlens.checked("op", cu, 129, None, 64)
+    with pytest.raises(ValueError, match="must end at or before the token count 127, got 128"):
+        seqlens.checked("op", cu, 127, None, 64)
+    assert seqlens.checked("op", cu, 129, None, 64).total_tokens == 128  # a padded tail
 
 
 def test_equal_values_in_another_tensor_are_checked(fresh):
@@ -188,8 +189,9 @@ def test_prepared_seqlens_are_checked_against_the_call():
     sl = seqlens.prepare(torch.tensor([0, 64, 100]), 32)
     with pytest.raises(checks.ArgumentError, match="prepared for chunk size 32"):
         seqlens.checked("op", sl, 100, None, 64)
-    with pytest.raises(checks.ArgumentError, match="must end at the token count 101, got 100"):
-        seqlens.checked("op", sl, 101, None, 32)
+    with pytest.raises(checks.ArgumentError, match="must end at or before the token count 99, got 100"):
+        seqlens.checked("op", sl, 99, None, 32)
+    assert seqlens.checked("op", sl, 101, None, 32) is sl  # a padded tail
     with pytest.raises(checks.ArgumentError, match="must be on meta"):
         seqlens.checked("op", sl, 100, torch.device("meta"), 32)
     assert seqlens.checked("op", sl, 100, torch.device("cpu"), 32) is sl
