@@ -279,7 +279,8 @@ CHUNK_WGMMA = False
 # one 0.454 -> 0.439 ms, pass two 0.441 -> 0.434 (1x32768x32, busy graph 1.573 -> 1.551),
 # the single walk 0.450 -> 0.443 (8x4096x32, 1.082 -> 1.075); outputs equal to the
 # per-wave update's. Retiring an update after the next chunk's barrier instead took a
-# stage more and ptxas serialised the products (C7515): pass one 0.546 ms.
+# stage more and ptxas serialised the products (C7515): pass one 0.546 ms. Since session 27
+# the walks with outputs take it only with CHUNK_WG_UPDATE_OUTPUTS (off: slower on the H100).
 CHUNK_WG_UPDATE = True
 
 # With CHUNK_WG_UPDATE, whether the walks with outputs (the single walk, pass two) update
