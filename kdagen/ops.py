@@ -199,6 +199,18 @@ class Kernels:
         [1, T, H, C]`` = (I + L)^-1 Diag(beta) takes u's place in the result (pass it
         to ``fused_kda_chunk(..., akk=akk)`` with the raw v as ``u``). Fewer bytes move
         (C in place of D values per token and head, twice) and the prologue does less."""
+        return self._prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound,
+                              cu_seqlens, conv_weight, conv_state, conv_state_indices,
+                              conv_has_initial_state, chunk_indices, defer_u)[0]
+
+    def _prologue(self, q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
+                  chunk_indices, defer_u: bool,
+                  check: Callable[[seqlens.SeqLens, int, torch.device, int], None] | None = None,
+                  ) -> tuple[dict[str, torch.Tensor], seqlens.SeqLens]:
+        """``fused_kda_prologue``, also returning the checked ``cu_seqlens`` (for prefill);
+        ``check(cu_seqlens, H, device, chunks)`` runs after its own checks, before any
+        launch."""
         op = "fused_kda_prologue"
         fn = self._op("prologue")
         D, C, dt = self.spec.head_dim, self.spec.chunk_size, self.dtype
@@ -259,20 +271,24 @@ class Kernels:
                 ck.same_values(op, "chunk_indices", ci, sl.indices(), "the rows")
         ci = ci.to(torch.int32).contiguous()
         nchunks = ci.shape[0]
+        if check is not None:
+            check(sl, H, dev, nchunks)
+
+        empty = _allocator()
 
         def like(last: int) -> torch.Tensor:
-            return _empty(1, T, H, last, dtype=dt, device=dev)
+            return empty(1, T, H, last, dtype=dt, device=dev)
 
         ws = dict(
             qg=like(D), w=like(D), **({"akk": like(C)} if defer_u else {"u": like(D)}),
-            kg_t=_empty(nchunks, H, D, C, dtype=dt, device=dev),
+            kg_t=empty(nchunks, H, D, C, dtype=dt, device=dev),
             aqk=like(C),
-            decay=_empty(nchunks, H, D, dtype=torch.float32, device=dev),
+            decay=empty(nchunks, H, D, dtype=torch.float32, device=dev),
         )
         fn(q, k, v, raw_g, raw_beta, a_log, bias, ws["qg"], ws["w"], ws.get("u"), ws["kg_t"],
            ws["aqk"], ws["decay"], sl.cu32, ci, conv_weight, conv_state,
            conv_state_indices, conv_has_initial_state, _scale(scale, D), lb, ws.get("akk"))
-        return ws
+        return ws, sl
 
     # ---- prefill: both ----------------------------------------------------------------------
 
@@ -300,20 +316,42 @@ class Kernels:
         prologue) where v's rows can be copied as 16-byte pieces, else by the prologue (the
         same result up to rounding). ``scan(num_seqs, chunks_per_seq)`` may name the variant
         that walks (this spec at another block width); default this one."""
+        op = "prefill"
+        D = self.spec.head_dim
         defer = self.scan_forms_u and ck.rows16_ok(v)
-        p = self.fused_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound,
-                                    cu_seqlens, chunk_indices=chunk_indices, defer_u=defer)
-        walk = self
-        if scan is not None:
-            N = cu_seqlens.num_seqs if isinstance(cu_seqlens, seqlens.SeqLens) else cu_seqlens.numel() - 1
-            walk = scan(N, p["kg_t"].shape[0] // max(N, 1))
+        walks: list[Kernels] = []
+
+        def check_walk(sl: seqlens.SeqLens, H: int, dev: torch.device, chunks: int) -> None:
+            """What the scan takes from the caller, checked before the prologue launches."""
+            ck.optional(op, "initial_state", initial_state, shape=(sl.num_seqs, H, D, D),
+                        dtypes=(torch.float32,), device=dev, contiguous=True)
+            if groups is not None:
+                ck.group_count("fused_kda_chunk", groups)
+            walk = self
+            if scan is not None:
+                walk = scan(sl.num_seqs, chunks // max(sl.num_seqs, 1))
+                if (walk.spec.head_dim, walk.spec.chunk_size, walk.dtype) != (D, self.spec.chunk_size,
+                                                                              self.dtype):
+                    raise ck.ArgumentError(f"{op}: argument 'scan' gave {walk.spec.name}, whose head "
+                                           f"dim, chunk size or dtype is not {self.spec.name}'s")
+            walks.append(walk)
+
+        p, sl = self._prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound,
+                               cu_seqlens, None, None, None, None, chunk_indices, defer, check_walk)
+        walk, N = walks[0], sl.num_seqs
         if defer:
-            u, out = v, _empty(*p["w"].shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
+            u, out = v, _allocator()(*p["w"].shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
         else:  # the scan reads each chunk's u before it writes that chunk's output: o takes u's place
             u = out = p["u"]
-        return walk.fused_kda_chunk(p["qg"], p["w"], u, p["kg_t"], p["aqk"], p["decay"], out, scale,
-                                    cu_seqlens, initial_state, output_final_state, groups=groups,
-                                    akk=p.get("akk"))
+        # The prologue's outputs and the cu_seqlens it checked go to the walk as they are;
+        # what the caller gave (v as u, the initial state, groups) was checked before the
+        # prologue's launch.
+        dev, H = q.device, q.shape[2]
+        final_state = (_allocator()(N, H, D, D, dtype=torch.float32, device=dev)
+                       if output_final_state else None)
+        return walk._walk(p["qg"], p["w"], u, p["kg_t"], p["aqk"], p["decay"], out, scale, sl,
+                          sl.chunk_offsets, initial_state, final_state, None, None, None, None,
+                          None, None, groups, None, p.get("akk"), dev)
 
     # ---- prefill: chunk scan ---------------------------------------------------------------
 
@@ -359,7 +397,7 @@ class Kernels:
         ``[1, T, H, V]`` (a strided last-dim view is fine, rows 16-byte aligned) and the
         scan forms u = akk v chunk by chunk."""
         op = "fused_kda_chunk"
-        fn = self._op("chunk")
+        self._op("chunk")  # (a variant built without the op says so first)
         if state_cache is not None:
             if initial_state is not None or output_final_state:
                 raise ValueError("state_cache replaces initial_state/output_final_state")
@@ -438,25 +476,51 @@ class Kernels:
 
         final_state = None
         if output_final_state:
-            final_state = _empty(N, H, D, D, dtype=torch.float32, device=dev)
+            final_state = _allocator()(N, H, D, D, dtype=torch.float32, device=dev)
+        return self._walk(qg, w, u, kg_t, aqk, decay, out, scale, sl, co, initial_state,
+                          final_state, checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
+                          state_cache, state_indices, has_initial_state, groups, segments, akk, dev)
+
+    def _walk(self, qg, w, u, kg_t, aqk, decay, out, scale, sl: seqlens.SeqLens,
+              chunk_offsets: torch.Tensor, initial_state, final_state, checkpoint_state,
+              checkpoint_offsets, checkpoint_state_indices, state_cache, state_indices,
+              has_initial_state, groups: int | None, segments: int | None, akk,
+              dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk scan's launch on checked arguments (``fused_kda_chunk``'s, or
+        ``prefill``'s: the prologue's outputs as they came): the group and segment
+        counts, the workspace, the op."""
+        op = "fused_kda_chunk"
+        fn = self._op("chunk")
+        N, H, D, nchunks = sl.num_seqs, qg.shape[2], self.spec.head_dim, kg_t.shape[0]
         if groups is None:
             groups = self._choose_groups(nchunks // max(N, 1), N, H, dev)
         groups = ck.group_count(op, groups)
         if segments is None:  # (0, one per group, where no compute units can be read: the emulation)
             segments = segments_for_spec(self.spec, groups, N, H, num_compute_units(dev)) if dev.type == "cuda" else 0
         segments = ck.segment_count(op, segments, groups)
-        workspace = group_workspace(groups, N * H, D, dev, alloc=_empty, segments=segments)
-        fn(qg, w, u, kg_t, aqk, decay, out, cu32, co, _scale(scale, D), initial_state, final_state,
-           workspace, int(groups), checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
-           state_cache, state_indices, has_initial_state, akk, int(segments))
+        workspace = group_workspace(groups, N * H, D, dev, alloc=_allocator(), segments=segments)
+        fn(qg, w, u, kg_t, aqk, decay, out, sl.cu32, chunk_offsets, _scale(scale, D), initial_state,
+           final_state, workspace, int(groups), checkpoint_state, checkpoint_offsets,
+           checkpoint_state_indices, state_cache, state_indices, has_initial_state, akk,
+           int(segments))
         return out, final_state
 
 
-def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.empty, or NaN-filled with KDAGEN_POISON=1 so tests see unwritten elements."""
+def _poisoned(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _allocator() -> Callable[..., torch.Tensor]:
+    """torch.empty, or a NaN-filled allocation with KDAGEN_POISON=1 so tests see unwritten
+    elements (decided once per call of an op: the environment is read once)."""
     if not ck.tracing() and os.environ.get("KDAGEN_POISON", "") not in ("", "0"):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(*shape, dtype=dtype, device=device)
+        return _poisoned
+    return torch.empty
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``_allocator()``'s allocation."""
+    return _allocator()(*shape, dtype=dtype, device=device)
 
 
 def _scale(scale: float | None, head_dim: int) -> float:

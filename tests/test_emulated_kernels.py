@@ -375,6 +375,29 @@ def test_warpgroup_state_update_matches_the_reference(mode, head_dim, emulate_ca
 
 
 @needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx90a"])
+def test_prefill_matches_the_reference(target, monkeypatch):
+    """Kernels.prefill, which hands the prologue's outputs to the scan unchecked: u formed
+    in the scan from v (rows 16-byte pieces) and by the prologue (v at an odd token
+    stride), one walk and three groups, outputs poisoned, a non-default scale."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    kern = emulated(head_dim=64, chunk_size=32, block_width=32, gate="softplus", target=target)
+    x = make_inputs(lens_for(32), 2, 64, device="cpu", seed=13)
+    init = torch.randn(len(lens_for(32)), 2, 64, 64, generator=torch.Generator().manual_seed(3)) * 0.1
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), scale=0.1, cu_seqlens=x.cu_seqlens,
+                                                  initial_state=init)
+    T, H, D = x.v.shape[1:]
+    odd = torch.zeros(1, T, H * D + 3, dtype=x.v.dtype)[..., :H * D].unflatten(-1, (H, D))
+    odd.copy_(x.v)
+    for v in (x.v, odd):
+        args = list(x.args())
+        args[2] = v
+        for groups in (1, 3):
+            o, s = kern.prefill(*args, 0.1, None, x.cu_seqlens, init, True, groups=groups)
+            assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL, (v.stride(), groups)
+
+
+@needs_clang
 @pytest.mark.parametrize("target,groups", [("sm_90", 1), ("sm_90", 3), ("gfx90a", 1)])
 def test_padded_tail_is_left_alone(target, groups):
     """cu_seqlens ending before T (an engine's CUDA-graph padding, accepted as the

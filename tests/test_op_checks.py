@@ -1530,6 +1530,37 @@ def test_prefill_forms_u_in_the_scan_where_v_allows(gpu, aligned):
         assert scan[2] is pro[9] and scan[6] is pro[9] and scan[20] is None
 
 
+def test_prefill_passes_its_state_and_workspace_to_the_scan(gpu):
+    """Kernels.prefill hands the prologue's outputs and checked cu_seqlens to the scan
+    (no second check of its own outputs); the caller's initial state and a final state
+    reach the scan."""
+    kern, fake = make_kernels()
+    init = torch.zeros(N, PH, D, D)
+    o, fin = kern.prefill(**pro_args(), initial_state=init, output_final_state=True, groups=2)
+    pro, scan = fake.calls
+    assert scan[0] is pro[7] and scan[1] is pro[8] and scan[3] is pro[10] and scan[5] is pro[12]
+    assert scan[7] is pro[13]  # the cu_seqlens the prologue took
+    assert scan[8].tolist() == prepare_chunk_offsets(torch.tensor(CU), C).tolist()
+    assert scan[10] is init and fin is scan[11] and tuple(fin.shape) == (N, PH, D, D)
+    assert scan[13] == 2 and scan[12] is not None  # two groups: a workspace
+
+
+@pytest.mark.parametrize("case", [
+    Bad("initial_state-shape", put_value("initial_state", lambda: torch.zeros(N + 1, PH, D, D)),
+        ValueError, "initial_state"),
+    Bad("initial_state-dtype", put_value("initial_state", lambda: torch.zeros(N, PH, D, D,
+                                                                            dtype=BF)),
+        TypeError, "initial_state"),
+    Bad("groups-zero", put_value("groups", 0), ValueError, "groups"),
+    Bad("scan-other-chunk", put_value("scan", lambda: lambda n, c: make_kernels(chunk_size=32)[0]),
+        ValueError, "scan"),
+], ids=lambda c: c.id)
+def test_prefill_refuses_before_any_launch(gpu, case):
+    """What the scan takes from the caller is checked before the prologue launches."""
+    kern, fake = make_kernels()
+    run_bad(kern.prefill, fake, pro_args(), case)
+
+
 def test_scan_forms_u_where_u_and_o_are_staged():
     assert make_kernels(target="sm_90")[0].scan_forms_u
     assert make_kernels(target="gfx90a", chunk_size=32)[0].scan_forms_u
