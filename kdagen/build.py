@@ -14,6 +14,7 @@ so no reader ever sees half of one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -126,10 +127,18 @@ _DIGESTS: dict[tuple, str] = {}
 
 def resource_constants() -> tuple:
     """kdagen's resource constants (resources.py) as they are now: the rendered Config
-    follows them, so they are part of what a build is."""
+    follows them, so they are part of what a build is. (Their names are found once; their
+    values are read on every call: tests and A/B tools change them.)"""
     from . import resources
 
-    return tuple(sorted((k, v) for k, v in vars(resources).items()
+    return tuple((k, getattr(resources, k)) for k in _constant_names())
+
+
+@functools.lru_cache(maxsize=1)
+def _constant_names() -> tuple[str, ...]:
+    from . import resources
+
+    return tuple(sorted(k for k, v in vars(resources).items()
                         if k.isupper() and isinstance(v, (bool, int, float, str))))
 
 

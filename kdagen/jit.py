@@ -7,6 +7,7 @@ file is rebuilt instead of crashing the process.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from pathlib import Path
@@ -112,10 +113,19 @@ def spec_for_inputs(head_dim: int, dtype: torch.dtype, device: torch.device, *,
     io = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype)
     if io is None:
         raise TypeError(f"kdagen: inputs must be bf16, fp16 or fp32, got {dtype}")
-    fields: dict = dict(
-        head_dim=head_dim, chunk_size=chunk_size, io_dtype=io, conv_width=conv_width,
-        gate="softplus" if lower_bound is None else "lower_bound", target=device_target(device),
-    )
+    gate = "softplus" if lower_bound is None else "lower_bound"
+    return _parsed_spec(head_dim, chunk_size, io, conv_width, gate, device_target(device), block_width,
+                        resource_constants())
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_spec(head_dim: int, chunk_size: int, io: str, conv_width: int, gate: str, target: str,
+                 block_width: int | None, constants: tuple) -> KernelSpec:
+    """``KernelSpec.parse`` of these fields, once per value of the resource constants
+    (which the validator reads): the spec is frozen, kda_forward asks on every call; a
+    refusal is not kept, it raises again."""
+    fields: dict = dict(head_dim=head_dim, chunk_size=chunk_size, io_dtype=io,
+                        conv_width=conv_width, gate=gate, target=target)
     if block_width is not None:
         fields["block_width"] = block_width
     return KernelSpec.parse(fields)

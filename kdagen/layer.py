@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import autotune
+from . import autotune, seqlens
 from .jit import for_inputs, spec_for_inputs
 from .seqlens import SeqLens
 
@@ -88,15 +88,14 @@ def kda_forward(
     if q.dim() != 4:
         raise ValueError(f"kda_forward: argument 'q' must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
-    if cu_seqlens is not None:
+    dense = cu_seqlens is None  # B sequences of T tokens: cu_seqlens made below
+    if not dense:
         if B != 1:
             raise ValueError(f"kda_forward: with cu_seqlens the batch must be 1, got B = {B}")
-    else:
-        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-        if B > 1:
-            q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
-            beta = beta.reshape(1, B * T, beta.shape[-1])
-    N = cu_seqlens.num_seqs if isinstance(cu_seqlens, SeqLens) else cu_seqlens.numel() - 1
+    elif B > 1:
+        q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
+        beta = beta.reshape(1, B * T, beta.shape[-1])
+    N = B if dense else cu_seqlens.num_seqs if isinstance(cu_seqlens, SeqLens) else cu_seqlens.numel() - 1
     if initial_state is not None:
         if initial_state.dim() != 4 or initial_state.shape[:2] != (N, H):
             raise ValueError(f"kda_forward: argument 'initial_state' must be [{N}, {H}, *, *], got "
@@ -121,6 +120,9 @@ def kda_forward(
             chunk_size = tuned or chunk_size
     kern = for_inputs(K, q.dtype, q.device, lower_bound=lower_bound, chunk_size=chunk_size,
                       block_width=block_width)
+    if dense:  # eager: from the shape, no host read (a tensor would be read back, each call)
+        cu_seqlens = (seqlens.dense(B, T, chunk_size, q.device) if seqlens.caching() else
+                      torch.arange(B + 1, dtype=torch.int32, device=q.device) * T)
 
     def scan(num_seqs: int, chunks_per_seq: int):
         # the prologue is the same for every block width; the chunk scan may take a tuned one

@@ -15,11 +15,13 @@ unseen: make ``cu_seqlens`` outside it to keep the cache), with
 ``cu_seqlens`` buffer outside torch (its own kernel, DLPack) must set the latter.
 
 ``prepare`` (``kdagen.prepare_seqlens``) does the check once, explicitly: its result
-passes as ``cu_seqlens`` to the ops.
+passes as ``cu_seqlens`` to the ops. ``dense`` makes the bookkeeping of a ``[B, T, ...]``
+batch from its shape (kda_forward without ``cu_seqlens``): nothing to check or read back.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +73,30 @@ def prepare(cu_seqlens: torch.Tensor, chunk_size: int) -> SeqLens:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ck.ArgumentError(f"{op}: argument 'chunk_size' must be a positive int, got {chunk_size!r}")
     return _derived(t, chunk_size, ck.cu_seqlens_values(op, t, None))
+
+
+_dense: "OrderedDict[tuple, SeqLens]" = OrderedDict()
+
+
+def dense(batch: int, length: int, chunk_size: int, device: torch.device) -> SeqLens:
+    """The bookkeeping of ``batch`` sequences of ``length`` tokens each (a ``[B, T, ...]``
+    call without ``cu_seqlens``), made on the device from the shape alone: no host read,
+    kept per shape (a model's layers share it). Eager calls only: ``caching()``."""
+    key = (batch, length, chunk_size, device)
+    hit = _dense.get(key)
+    if hit is not None:
+        _dense.move_to_end(key)
+        return hit
+    per = -(-length // chunk_size)
+    steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    cu32 = steps * length
+    sl = SeqLens(cu32=cu32, total_tokens=batch * length, chunk_size=chunk_size,
+                 chunk_offsets=steps * per, num_chunks=batch * per,
+                 chunk_indices=prepare_chunk_indices(cu32, chunk_size, num_chunks=batch * per))
+    _dense[key] = sl
+    while len(_dense) > CACHE_ENTRIES:
+        _dense.popitem(last=False)
+    return sl
 
 
 def _derived(t: torch.Tensor, chunk_size: int, vals: list[int] | None,
@@ -129,5 +155,6 @@ def _uncached(op: str, cu_seqlens: object, total_tokens: int, device: torch.devi
 
 
 def clear() -> None:
-    """Forget every checked ``cu_seqlens``."""
+    """Forget every checked ``cu_seqlens`` (and the dense batches' bookkeeping)."""
     _entries.clear()
+    _dense.clear()

@@ -7,6 +7,7 @@ field, the value and what would be accepted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -134,12 +135,12 @@ class KernelSpec(BaseModel):
         """Every field, defaults resolved: the spec's identity."""
         return json.loads(self.model_dump_json())
 
-    @property
+    @functools.cached_property  # (frozen: computed once per spec)
     def content_hash(self) -> str:
         blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    @property
+    @functools.cached_property  # (frozen: computed once per spec)
     def name(self) -> str:
         """Readable variant name, e.g. ``kda_d128_c64_bv128_bf16_gfx942``."""
         parts = [
@@ -158,7 +159,7 @@ class KernelSpec(BaseModel):
         parts.append(self.target_info.tag)
         return "_".join(parts)
 
-    @property
+    @functools.cached_property  # (frozen: computed once per spec)
     def uri(self) -> str:
         """Name plus short content hash: names source and build folders."""
         return f"{self.name}-{self.content_hash[:8]}"

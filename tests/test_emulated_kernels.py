@@ -398,6 +398,29 @@ def test_prefill_matches_the_reference(target, monkeypatch):
 
 
 @needs_clang
+def test_kda_forward_dense_batch_matches_the_reference(monkeypatch):
+    """kda_forward on [B, T, ...] without cu_seqlens (the batch's bookkeeping made from the
+    shape, seqlens.dense) through the emulated kernels: equal to the same call on the
+    packed batch with cu_seqlens, and to the reference."""
+    from kdagen import layer
+
+    kern = emulated(head_dim=64, chunk_size=32, block_width=32, gate="softplus", target="sm_90")
+    monkeypatch.setattr(layer, "for_inputs", lambda *a, **k: kern)
+    B, T = 3, 37
+    x = make_inputs([T] * B, 2, 64, device="cpu", seed=17)
+    init = torch.randn(B, 2, 64, 64, generator=torch.Generator().manual_seed(4)) * 0.1
+    raw = dict(A_log=x.A_log, dt_bias=x.dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+               use_beta_sigmoid_in_kernel=True, state_v_first=True, initial_state=init,
+               output_final_state=True, chunk_size=32, groups=1)
+    batch = lambda t: t.reshape(B, T, *t.shape[2:])
+    o, s = layer.kda_forward(*(batch(t) for t in (x.q, x.k, x.v, x.g, x.beta)), **raw)
+    o_packed, s_packed = layer.kda_forward(x.q, x.k, x.v, x.g, x.beta, cu_seqlens=x.cu_seqlens, **raw)
+    assert torch.equal(o.reshape(o_packed.shape), o_packed) and torch.equal(s, s_packed)
+    o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), cu_seqlens=x.cu_seqlens, initial_state=init)
+    assert rel_err(o_packed, o_ref) < TOL and rel_err(s, s_ref) < TOL
+
+
+@needs_clang
 @pytest.mark.parametrize("target,groups", [("sm_90", 1), ("sm_90", 3), ("gfx90a", 1)])
 def test_padded_tail_is_left_alone(target, groups):
     """cu_seqlens ending before T (an engine's CUDA-graph padding, accepted as the

@@ -452,6 +452,27 @@ def test_fused_conv(has_state):
 # ---- the whole layer against FLA ------------------------------------------------------------------
 
 
+def test_kda_forward_dense_batch_equals_the_packed_call(record):
+    """[B, T, ...] without cu_seqlens (the bookkeeping from the shape, no host read) gives
+    what the packed batch with cu_seqlens gives, bit for bit."""
+    import kdagen
+
+    B, T = 4, 1000
+    x = make_inputs([T] * B, 4, 128, gate="lower_bound", seed=52)
+    init = torch.randn(B, 4, 128, 128, device=DEV) * 0.1
+    kw = dict(initial_state=init, output_final_state=True, lower_bound=x.lower_bound, state_v_first=True,
+              A_log=x.A_log, dt_bias=x.dt_bias, use_qk_l2norm_in_kernel=True,
+              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    batch = lambda t: t.reshape(B, T, *t.shape[2:])
+    o, s = kdagen.kda_forward(*(batch(t) for t in (x.q, x.k, x.v, x.g, x.beta)), **kw)
+    o_p, s_p = kdagen.kda_forward(x.q, x.k, x.v, x.g, x.beta, cu_seqlens=x.cu_seqlens, **kw)
+    assert torch.equal(o.reshape(o_p.shape), o_p) and torch.equal(s, s_p)
+    o_ref, _, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                              cu_seqlens=x.cu_seqlens, initial_state=init)
+    record(out=rel_err(o_p, o_ref))
+    assert rel_err(o_p, o_ref) < BF16_TOL
+
+
 @pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
 def test_kda_forward_matches_fla(gate, record):
     fla_kda = pytest.importorskip("fla.ops.kda")

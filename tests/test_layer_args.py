@@ -78,7 +78,8 @@ class _Prefill:
 
     def prefill(self, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                 initial_state, output_final_state, groups=None, scan=None):
-        self.got = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
+        self.got = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, q=q,
+                        cu_seqlens=cu_seqlens)
         final = initial_state + 1.0 if output_final_state else None
         return torch.zeros_like(v), final
 
@@ -121,3 +122,18 @@ def test_initial_state_must_be_fp32():
     with pytest.raises(TypeError, match="initial_state"):
         kda_forward(*_x(), initial_state=torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), **RAW,
                     **IN_KERNEL)
+
+
+def test_dense_batch_needs_no_cu_seqlens_read_back(fake, monkeypatch):
+    """[B, T, ...] without cu_seqlens: the kernels get the batch as B sequences of T
+    tokens (a prepared SeqLens made from the shape), with no host read of any values."""
+    from kdagen import checks, seqlens
+
+    reads = []
+    monkeypatch.setattr(checks, "cu_seqlens_values", lambda *a: reads.append(a))
+    q = torch.randn(3, 40, 2, 64)
+    kda_forward(q, q, q, q, torch.randn(3, 40, 2), chunk_size=16, **RAW, **IN_KERNEL)
+    sl = fake.got["cu_seqlens"]
+    assert isinstance(sl, seqlens.SeqLens) and not reads
+    assert sl.cu32.tolist() == [0, 40, 80, 120] and sl.chunk_size == 16 and sl.num_chunks == 9
+    assert tuple(fake.got["q"].shape) == (1, 120, 2, 64)

@@ -240,3 +240,20 @@ def test_index_ranges_are_read_once_per_tensor_version(monkeypatch):
     ck.indices("op", "state_indices", other, 3, 8, None)
     ck.indices("op", "state_indices", other, 3, 8, None)
     assert len(reads) == 6
+
+
+@pytest.mark.parametrize("B,T,C", [(1, 64, 16), (3, 37, 16), (2, 0, 32), (4, 100, 64)])
+def test_dense_batch_bookkeeping_reads_nothing_back(fresh, B, T, C):
+    """seqlens.dense: B sequences of T tokens from the shape alone (kda_forward without
+    cu_seqlens), equal to what a checked cu_seqlens tensor of that batch derives, with no
+    host read; kept per shape."""
+    sl = seqlens.dense(B, T, C, torch.device("cpu"))
+    assert not fresh  # no cu_seqlens value was read
+    cu = torch.arange(B + 1) * T
+    want = seqlens.prepare(cu, C)
+    assert sl.cu32.dtype == torch.int32 and sl.cu32.tolist() == cu.tolist()
+    assert sl.chunk_offsets.tolist() == want.chunk_offsets.tolist()
+    assert sl.chunk_indices.tolist() == want.chunk_indices.tolist()
+    assert (sl.num_chunks, sl.total_tokens, sl.chunk_size) == (want.num_chunks, B * T, C)
+    assert seqlens.dense(B, T, C, torch.device("cpu")) is sl
+    assert seqlens.dense(B, T + 1, C, torch.device("cpu")) is not sl
