@@ -326,7 +326,7 @@ class Kernels:
             ck.optional(op, "initial_state", initial_state, shape=(sl.num_seqs, H, D, D),
                         dtypes=(torch.float32,), device=dev, contiguous=True)
             if groups is not None:
-                ck.group_count("fused_kda_chunk", groups)
+                ck.group_count(op, groups)
             walk = self
             if scan is not None:
                 walk = scan(sl.num_seqs, chunks // max(sl.num_seqs, 1))

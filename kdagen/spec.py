@@ -135,12 +135,12 @@ class KernelSpec(BaseModel):
         """Every field, defaults resolved: the spec's identity."""
         return json.loads(self.model_dump_json())
 
-    @functools.cached_property  # (frozen: computed once per spec)
+    @property
     def content_hash(self) -> str:
         blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    @functools.cached_property  # (frozen: computed once per spec)
+    @property
     def name(self) -> str:
         """Readable variant name, e.g. ``kda_d128_c64_bv128_bf16_gfx942``."""
         parts = [
@@ -159,10 +159,10 @@ class KernelSpec(BaseModel):
         parts.append(self.target_info.tag)
         return "_".join(parts)
 
-    @functools.cached_property  # (frozen: computed once per spec)
+    @property
     def uri(self) -> str:
         """Name plus short content hash: names source and build folders."""
-        return f"{self.name}-{self.content_hash[:8]}"
+        return _uri(self)
 
     def with_target(self, target: str) -> "KernelSpec":
         return KernelSpec.parse({**self.canonical(), "target": target})
@@ -240,3 +240,10 @@ def spec_from_any(spec: "KernelSpec | dict | str | Path") -> KernelSpec:
     if isinstance(spec, (str, Path)):
         return KernelSpec.from_yaml(spec)
     return KernelSpec.parse(spec)
+
+
+@functools.lru_cache(maxsize=1024)
+def _uri(spec: KernelSpec) -> str:
+    """A spec's uri, once per field set (specs are frozen, hashed and compared by their
+    fields; ``load``'s fast path asks on every call)."""
+    return f"{spec.name}-{spec.content_hash[:8]}"

@@ -2,7 +2,8 @@
 
 A varlen batch packs ``N`` sequences along one token axis of length ``T``;
 ``cu_seqlens`` (integer, ``[N + 1]``, non-decreasing, ``cu_seqlens[0] == 0``,
-``cu_seqlens[N] == T``) marks where each sequence starts and ends. The chunked
+``cu_seqlens[N] <= T``: tokens past it, a padded tail, belong to no sequence) marks
+where each sequence starts and ends. The chunked
 kernels cut every sequence into chunks of ``chunk_size`` tokens that never
 cross a sequence boundary; the last chunk of a sequence may be partial and a
 zero-length sequence has no chunks at all.

@@ -529,3 +529,13 @@ def test_pass_one_residency_counts_the_compute_units_lds(fields, resident):
 
     s = KernelSpec.parse(fields)
     assert chunk_plan_for(s).pass_one_resident(s.block_width) == resident
+
+
+def test_uri_follows_the_fields_of_a_copy():
+    """uri is cached per field set, not per object: a copy with a field changed names its
+    own build (a copy made by pydantic keeps no value of the original's)."""
+    s = KernelSpec.parse({"target": "sm_90"})
+    assert s.uri.startswith(s.name)
+    c = s.model_copy(update={"block_width": 64})
+    assert c.block_width == 64 and "bv64" in c.name
+    assert c.uri == KernelSpec.parse({"target": "sm_90", "block_width": 64}).uri != s.uri
