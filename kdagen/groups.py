@@ -148,7 +148,10 @@ def _cus(index: int) -> int:
 def num_compute_units(device: torch.device) -> int:
     """CUs (AMD) or SMs (NVIDIA) of ``device``, read from the device (once per device;
     while torch.compile traces, straight from its properties, a constant to the tracer,
-    which would otherwise warn that it ignores the cache)."""
+    which would otherwise warn that it ignores the cache). The CPU emulation's device has
+    KDAGEN_EMULATE_CUS (8 unless set), as its launchers see (emulate.h)."""
+    if device.type != "cuda":
+        return int(os.environ.get("KDAGEN_EMULATE_CUS", "") or 8)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.compiler.is_compiling():
         return torch.cuda.get_device_properties(index).multi_processor_count
