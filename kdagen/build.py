@@ -23,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,6 +323,10 @@ def _ninja() -> str:
     return path
 
 
+# Seconds without a line from ninja after which a build says it is still running.
+HEARTBEAT_S = 20.0
+
+
 def run_ninja(ninja_file: Path, log_path: Path, *, verbose: bool, jobs: int | None, what: str) -> None:
     cmd = [_ninja(), "-f", str(ninja_file)]
     if verbose:
@@ -333,16 +338,36 @@ def run_ninja(ninja_file: Path, log_path: Path, *, verbose: bool, jobs: int | No
     env.setdefault("HIP_PLATFORM", "amd")
     env["NINJA_STATUS"] = "[%f/%t] "
     chunks: list[str] = []
+    start = time.monotonic()
+    last = [start]  # when a line was last shown
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        # ninja names a step when it ends (its output is a pipe): say that the build is
+        # alive while a long compile runs (a kernels object takes a minute or more)
+        while not done.wait(HEARTBEAT_S / 4):
+            now = time.monotonic()
+            if now - last[0] >= HEARTBEAT_S:
+                last[0] = now
+                _say(f"still {what} ({now - start:.0f} s)")
+
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ninja_file.parent, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            chunks.append(line)
-            if verbose or line.startswith("["):
-                print(f"kdagen: {line.rstrip()}", file=sys.stderr, flush=True)
-        rc = proc.wait()
+        beat = threading.Thread(target=heartbeat, daemon=True)
+        beat.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                chunks.append(line)
+                if verbose or line.startswith("["):
+                    last[0] = time.monotonic()
+                    print(f"kdagen: {line.rstrip()}", file=sys.stderr, flush=True)
+            rc = proc.wait()
+        finally:
+            done.set()
+            beat.join()
     if rc != 0:
         raise _failure(log_path, "".join(chunks), what)
 

@@ -412,6 +412,20 @@ def test_first_build_publishes_manifest(fake_cc, capfd):
     assert "device code only, no link, no load" in err and "built 1 variant(s)" in err
 
 
+def test_long_compile_says_it_is_still_running(fake_cc, monkeypatch, capfd):
+    """ninja names a step only when it ends: a compile longer than HEARTBEAT_S says every
+    HEARTBEAT_S that the build is alive, and a short one stays quiet."""
+    monkeypatch.setattr(kb, "HEARTBEAT_S", 0.4)
+    monkeypatch.setenv("FAKE_CC_SLEEP", "1.5")
+    build(spec(), "objects")
+    err = capfd.readouterr().err
+    beats = [ln for ln in err.splitlines() if ln.startswith(f"kdagen: still building {spec().name} (")]
+    assert 2 <= len(beats) <= 5, err
+    monkeypatch.setenv("FAKE_CC_SLEEP", "0")
+    build(spec(gate="lower_bound"), "objects")
+    assert "still building" not in capfd.readouterr().err
+
+
 def test_second_build_runs_nothing(fake_cc, tmp_path, capfd):
     e1 = build(spec(), "objects")
     capfd.readouterr()
