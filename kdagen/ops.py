@@ -319,36 +319,34 @@ class Kernels:
         op = "prefill"
         D = self.spec.head_dim
         defer = self.scan_forms_u and ck.rows16_ok(v)
-        walks: list[Kernels] = []
+        walk = self
 
         def check_walk(sl: seqlens.SeqLens, H: int, dev: torch.device, chunks: int) -> None:
             """What the scan takes from the caller, checked before the prologue launches."""
+            nonlocal walk
             ck.optional(op, "initial_state", initial_state, shape=(sl.num_seqs, H, D, D),
                         dtypes=(torch.float32,), device=dev, contiguous=True)
             if groups is not None:
                 ck.group_count(op, groups)
-            walk = self
             if scan is not None:
                 walk = scan(sl.num_seqs, chunks // max(sl.num_seqs, 1))
                 if (walk.spec.head_dim, walk.spec.chunk_size, walk.dtype) != (D, self.spec.chunk_size,
                                                                               self.dtype):
                     raise ck.ArgumentError(f"{op}: argument 'scan' gave {walk.spec.name}, whose head "
                                            f"dim, chunk size or dtype is not {self.spec.name}'s")
-            walks.append(walk)
 
         p, sl = self._prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound,
                                cu_seqlens, None, None, None, None, chunk_indices, defer, check_walk)
-        walk, N = walks[0], sl.num_seqs
+        N, empty = sl.num_seqs, _allocator()
         if defer:
-            u, out = v, _allocator()(*p["w"].shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
+            u, out = v, empty(*p["w"].shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
         else:  # the scan reads each chunk's u before it writes that chunk's output: o takes u's place
             u = out = p["u"]
         # The prologue's outputs and the cu_seqlens it checked go to the walk as they are;
         # what the caller gave (v as u, the initial state, groups) was checked before the
         # prologue's launch.
         dev, H = q.device, q.shape[2]
-        final_state = (_allocator()(N, H, D, D, dtype=torch.float32, device=dev)
-                       if output_final_state else None)
+        final_state = empty(N, H, D, D, dtype=torch.float32, device=dev) if output_final_state else None
         return walk._walk(p["qg"], p["w"], u, p["kg_t"], p["aqk"], p["decay"], out, scale, sl,
                           sl.chunk_offsets, initial_state, final_state, None, None, None, None,
                           None, None, groups, None, p.get("akk"), dev)

@@ -29,6 +29,10 @@ class ReportError(RuntimeError):
     """A disassembler is missing or failed."""
 
 
+class ToolMissing(ReportError):
+    """A disassembler is not installed (the others: it ran and failed)."""
+
+
 @dataclass(frozen=True)
 class KernelResources:
     kernel: str          # the kernel's name, demangled and shortened
@@ -41,7 +45,8 @@ class KernelResources:
         return self.spill_bytes > 0
 
 
-def _tool(*names: str) -> str | None:
+def find_tool(*names: str) -> str | None:
+    """The first of ``names`` on PATH, or given as an absolute path, that is executable."""
     for n in names:
         if os.path.isabs(n):
             if os.path.isfile(n) and os.access(n, os.X_OK):
@@ -69,7 +74,7 @@ def cuobjdump() -> str | None:
         cands += [str(p) for root in nvidia.__path__ for p in sorted(Path(root).glob("*/bin/cuobjdump"))]
     except ImportError:
         pass
-    return _tool(*[c for c in cands if c])
+    return find_tool(*[c for c in cands if c])
 
 
 def _short(symbol: str) -> str:
@@ -128,29 +133,38 @@ def _run(cmd: list[str]) -> str:
 def nvidia_resources(obj: Path) -> list[KernelResources]:
     tool = cuobjdump()
     if tool is None:
-        raise ReportError("cuobjdump not found (PATH, beside nvcc, /usr/local/cuda/bin, "
+        raise ToolMissing("cuobjdump not found (PATH, beside nvcc, /usr/local/cuda/bin, "
                           "KDAGEN_CUOBJDUMP, or `pip install nvidia-cuda-cuobjdump`)")
     return parse_cuobjdump(_run([tool, "-res-usage", str(obj)]))
 
 
+def amd_code_object(obj: Path, arch: str, folder: Path) -> Path:
+    """The ``arch`` device code object inside the HIP object file ``obj``, unbundled into
+    ``folder`` (``objcopy`` the fat binary out, then ``clang-offload-bundler``)."""
+    objcopy = find_tool("objcopy", "llvm-objcopy-15", "llvm-objcopy", "/opt/rocm/llvm/bin/llvm-objcopy")
+    bundler = find_tool("clang-offload-bundler-15", "clang-offload-bundler",
+                        "/opt/rocm/llvm/bin/clang-offload-bundler")
+    if not (objcopy and bundler):
+        raise ToolMissing("objcopy and clang-offload-bundler are needed (ROCm's llvm, or Debian's "
+                          "clang-tools-15 / llvm-15)")
+    fat, dev = folder / "fat", folder / "dev.co"
+    # an output file is a must: without one objcopy rewrites the cached object in place
+    _run([objcopy, "--dump-section", f".hip_fatbin={fat}", str(obj), str(folder / "scratch.o")])
+    bundles = [b for b in _run([bundler, "--list", "--type=o", f"--input={fat}"]).split()
+               if b.startswith("hip") and b.rsplit("--", 1)[-1].split(":")[0] == arch]
+    if len(bundles) != 1:
+        raise ReportError(f"no single {arch} device bundle in {obj}")
+    _run([bundler, "--unbundle", "--type=o", f"--input={fat}", f"--targets={bundles[0]}",
+          f"--output={dev}"])
+    return dev
+
+
 def amd_resources(obj: Path, arch: str) -> list[KernelResources]:
-    objcopy = _tool("objcopy", "llvm-objcopy-15", "llvm-objcopy", "/opt/rocm/llvm/bin/llvm-objcopy")
-    bundler = _tool("clang-offload-bundler-15", "clang-offload-bundler",
-                    "/opt/rocm/llvm/bin/clang-offload-bundler")
-    readelf = _tool("llvm-readelf-15", "llvm-readelf", "/opt/rocm/llvm/bin/llvm-readelf")
-    if not (objcopy and bundler and readelf):
-        raise ReportError("objcopy, clang-offload-bundler and llvm-readelf are needed (ROCm's llvm, "
-                          "or Debian's clang-tools-15 / llvm-15)")
+    readelf = find_tool("llvm-readelf-15", "llvm-readelf", "/opt/rocm/llvm/bin/llvm-readelf")
+    if readelf is None:
+        raise ToolMissing("llvm-readelf is needed (ROCm's llvm, or Debian's llvm-15)")
     with tempfile.TemporaryDirectory() as tmp:
-        fat, dev = Path(tmp) / "fat", Path(tmp) / "dev.co"
-        # an output file is a must: without one objcopy rewrites the cached object in place
-        _run([objcopy, "--dump-section", f".hip_fatbin={fat}", str(obj), str(Path(tmp) / "scratch.o")])
-        bundles = [b for b in _run([bundler, "--list", "--type=o", f"--input={fat}"]).split()
-                   if b.startswith("hip") and b.rsplit("--", 1)[-1].split(":")[0] == arch]
-        if len(bundles) != 1:
-            raise ReportError(f"no single {arch} device bundle in {obj}")
-        _run([bundler, "--unbundle", "--type=o", f"--input={fat}", f"--targets={bundles[0]}",
-              f"--output={dev}"])
+        dev = amd_code_object(obj, arch, Path(tmp))
         return parse_amd_notes(_run([readelf, "--notes", str(dev)]))
 
 

@@ -21,8 +21,7 @@ batch from its shape (kda_forward without ``cu_seqlens``): nothing to check or r
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,10 +75,6 @@ def prepare(cu_seqlens: torch.Tensor, chunk_size: int) -> SeqLens:
     return _derived(t, chunk_size, ck.cu_seqlens_values(op, t, None))
 
 
-_dense: "OrderedDict[tuple, SeqLens]" = OrderedDict()
-_dense_lock = threading.Lock()
-
-
 def dense(batch: int, length: int, chunk_size: int, device: torch.device) -> SeqLens:
     """The bookkeeping of ``batch`` sequences of ``length`` tokens each (a ``[B, T, ...]``
     call without ``cu_seqlens``), made on the device from the shape alone: no host read,
@@ -87,23 +82,17 @@ def dense(batch: int, length: int, chunk_size: int, device: torch.device) -> Seq
     # per stream too: the tensors were made on one, and an evicted entry's memory must not
     # be handed out on it while another stream's kernels still read them
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (batch, length, chunk_size, device, stream)
-    with _dense_lock:
-        hit = _dense.get(key)
-        if hit is not None:
-            _dense.move_to_end(key)
-            return hit
+    return _dense(batch, length, chunk_size, device, stream)
+
+
+@functools.lru_cache(maxsize=CACHE_ENTRIES)
+def _dense(batch: int, length: int, chunk_size: int, device: torch.device, stream: int) -> SeqLens:
     per = -(-length // chunk_size)
     steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
     cu32 = steps * length
-    sl = SeqLens(cu32=cu32, total_tokens=batch * length, chunk_size=chunk_size,
-                 chunk_offsets=steps * per, num_chunks=batch * per,
-                 chunk_indices=prepare_chunk_indices(cu32, chunk_size, num_chunks=batch * per))
-    with _dense_lock:
-        _dense[key] = sl
-        while len(_dense) > CACHE_ENTRIES:
-            _dense.popitem(last=False)
-    return sl
+    return SeqLens(cu32=cu32, total_tokens=batch * length, chunk_size=chunk_size,
+                   chunk_offsets=steps * per, num_chunks=batch * per,
+                   chunk_indices=prepare_chunk_indices(cu32, chunk_size, num_chunks=batch * per))
 
 
 def _derived(t: torch.Tensor, chunk_size: int, vals: list[int] | None,
@@ -164,5 +153,4 @@ def _uncached(op: str, cu_seqlens: object, total_tokens: int, device: torch.devi
 def clear() -> None:
     """Forget every checked ``cu_seqlens`` (and the dense batches' bookkeeping)."""
     _entries.clear()
-    with _dense_lock:
-        _dense.clear()
+    _dense.cache_clear()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kdagen import reference as ref, resources
+from kdagen.checks import rows16_ok
 from kdagen.testing import conv_prologue_reference, make_inputs, rel_err
 
 pytestmark = pytest.mark.emulate
@@ -235,8 +236,8 @@ def check_prefill(fields, dtype):
 
 
 def aligned_view(t: torch.Tensor, pad: int = 8) -> torch.Tensor:
-    """``t`` as a strided view (head stride D + pad) of a wider buffer: rows stay 16-byte
-    aligned, the strides are not the contiguous ones."""
+    """``t`` as a strided view (head stride D + pad) of a wider buffer, the strides not the
+    contiguous ones: with a pad of 8 16-bit values rows stay 16-byte aligned."""
     buf = torch.full((*t.shape[:-1], t.shape[-1] + pad), float("nan"), dtype=t.dtype)
     buf[..., :t.shape[-1]] = t
     return buf[..., :t.shape[-1]]
@@ -386,9 +387,8 @@ def test_prefill_matches_the_reference(target, monkeypatch):
     init = torch.randn(len(lens_for(32)), 2, 64, 64, generator=torch.Generator().manual_seed(3)) * 0.1
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), scale=0.1, cu_seqlens=x.cu_seqlens,
                                                   initial_state=init)
-    T, H, D = x.v.shape[1:]
-    odd = torch.zeros(1, T, H * D + 3, dtype=x.v.dtype)[..., :H * D].unflatten(-1, (H, D))
-    odd.copy_(x.v)
+    odd = aligned_view(x.v, pad=3)  # head stride D + 3: rows not in 16-byte pieces
+    assert rows16_ok(x.v) and not rows16_ok(odd)
     for v in (x.v, odd):
         args = list(x.args())
         args[2] = v
