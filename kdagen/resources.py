@@ -188,7 +188,8 @@ def _walk_footprint(head_dim: int, chunk_size: int, block_width: int, io_dtype: 
 # Chunks the scan buffers where it has asynchronous copies: 2 (one in flight ahead of the
 # one walked). The kernel takes any count; on the H200 3 and 4 measured no faster (c16 walk
 # 0.586 / 0.594 / 0.595 ms for 2 / 3 / 4, docs/NOTES.md v11) and took more registers (c32:
-# 170 -> 206).
+# 170 -> 206); on the H100, where the walks with outputs run near the copy bandwidth, 3
+# measured slower too (c16 single walk 0.562 -> 0.582 ms, pass one 0.552 -> 0.572; v28).
 CHUNK_STAGES = 2
 
 # Stages of the grouped walk's pass one (state and transfer rows only: no qg / aqk tiles,
