@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .groups import MAX_GROUPS, groups_for_spec, num_compute_units
+from .groups import MAX_GROUPS, num_compute_units
 from .lock import FileLock
 
 FORMAT = 1
@@ -336,7 +336,7 @@ def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, rep
     out = torch.empty_like(p["w"])
     gen = torch.Generator(device="cpu").manual_seed(0)
     init = (torch.randn(num_seqs, num_heads, spec.head_dim, spec.head_dim, generator=gen) * 0.05).to(dev)
-    heuristic = groups_for_spec(spec, chunks_per_seq, num_seqs, num_heads, num_compute_units(dev))
+    heuristic = kern.heuristic_groups(chunks_per_seq, num_seqs, num_heads, dev)
 
     def run(g: int) -> float:
         return _time_ms(lambda: kern.fused_kda_chunk(

@@ -189,4 +189,14 @@ def emulated(spec: KernelSpec | dict | str | Path) -> Kernels:
     for op in spec.ops:
         fn = getattr(lib, f"{symbol_prefix(spec)}_{op}")
         fn.restype, fn.argtypes = ct.c_int, [ct.POINTER(STRUCTS[op]), P]
-    return Kernels(spec, _ops(lib, spec), str(lib_path), device_type="cpu")
+    residency = None
+    if "chunk" in spec.ops:
+        query = getattr(lib, f"{symbol_prefix(spec)}_chunk_residency")
+        query.restype, query.argtypes = ct.c_int, [ct.POINTER(ct.c_int)]
+
+        def residency() -> tuple[int, int]:
+            out = (ct.c_int * 2)()
+            _check(query(out), "chunk_residency")
+            return out[0], out[1]
+
+    return Kernels(spec, _ops(lib, spec), str(lib_path), device_type="cpu", residency=residency)

@@ -68,7 +68,8 @@ def load(spec: KernelSpec | dict | str | Path, *, verbose: bool | None = None,
         ns = torch.ops.kdagen
         ops = {op: getattr(ns, f"{spec.name}_{op}") for op in spec.ops}
         _register_fakes(spec)
-        handle = Kernels(spec, ops, str(entry.library))
+        residency = (getattr(ns, f"{spec.name}_chunk_residency") if "chunk" in spec.ops else None)
+        handle = Kernels(spec, ops, str(entry.library), residency=residency)
         _loaded[spec.name] = (entry.key, handle)
         _loaded_specs[loaded_key] = handle
         return handle

@@ -11,14 +11,15 @@ import functools
 import math
 import os
 import sys
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from . import checks as ck
 from . import autotune
 from . import seqlens
-from .groups import group_workspace, groups_for_spec, num_compute_units, segments_for_spec
+from .groups import (group_workspace, groups_for_spec, num_compute_units, planned_residency,
+                     segments_for_spec)
 from .spec import KernelSpec
 
 IO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -28,12 +29,17 @@ class Kernels:
     """A loaded variant. ``ops`` maps op names (recurrent, prologue, chunk) to callables."""
 
     def __init__(self, spec: KernelSpec, ops: Mapping[str, Callable[..., None]], library: str = "",
-                 device_type: str = "cuda"):
+                 device_type: str = "cuda",
+                 residency: Callable[[], Sequence[int]] | None = None):
         self.spec = spec
         self.ops = dict(ops)
         self.library = library
         self.dtype = IO_DTYPES[spec.io_dtype]
         self.device_type = device_type  # "cpu" for the emulated kernels (kdagen/emulate.py)
+        # the chunk op's occupancy query on the current device: (walks with outputs, pass
+        # one) blocks per compute unit, 0 where the runtime cannot tell
+        self._residency_query = residency
+        self._residency: dict[int, tuple[int, int]] = {}
 
     def __repr__(self) -> str:
         return f"Kernels({self.spec.name}, ops={sorted(self.ops)})"
@@ -101,12 +107,44 @@ class Kernels:
             b = b.clone()  # the kernels read dt_bias as float4
         return a.reshape(-1).float().contiguous(), b
 
+    def walk_residency(self, dev: torch.device) -> tuple[int, int]:
+        """Walk blocks one compute unit of ``dev`` holds at once: (the walks with outputs,
+        pass one), from the runtime's occupancy calculator for the kernels as compiled
+        (registers, LDS, launch bounds; asked once per device). Where the runtime cannot
+        tell (0: the emulation, unless KDAGEN_EMULATE_RESIDENT), while tracing before it
+        was asked, or without the chunk op: the chunk plan's (``groups.planned_residency``),
+        which counts no registers."""
+        planned = planned_residency(self.spec)
+        key = dev.index if dev.index is not None else (
+            torch.cuda.current_device() if dev.type == "cuda" else 0)
+        got = self._residency.get(key)
+        if got is None and self._residency_query is not None and not ck.tracing():
+            if dev.type == "cuda":
+                with torch.cuda.device(key):
+                    got = tuple(int(n) for n in self._residency_query())
+            else:
+                got = tuple(int(n) for n in self._residency_query())
+            self._residency[key] = got  # type: ignore[assignment]
+        if got is None:
+            return planned
+        return (got[0] or planned[0], got[1] or planned[1])
+
+    def heuristic_groups(self, chunks_per_seq: int, N: int, H: int, dev: torch.device) -> int:
+        """``groups.groups_for_spec`` on ``dev``, with the walks' residency as compiled."""
+        return groups_for_spec(self.spec, chunks_per_seq, N, H, num_compute_units(dev),
+                               resident=self.walk_residency(dev)[0])
+
+    def heuristic_segments(self, groups: int, N: int, H: int, dev: torch.device) -> int:
+        """``groups.segments_for_spec`` on ``dev``, with pass one's residency as compiled."""
+        return segments_for_spec(self.spec, groups, N, H, num_compute_units(dev),
+                                 resident=self.walk_residency(dev)[1])
+
     def _choose_groups(self, chunks_per_seq: int, N: int, H: int, dev: torch.device) -> int:
         """KDAGEN_GROUPS, else a tuned choice from the autotune cache (tuned now with
         KDAGEN_AUTOTUNE=1 if none is recorded), else the heuristic of groups.py."""
 
         def heuristic() -> int:
-            return groups_for_spec(self.spec, chunks_per_seq, N, H, num_compute_units(dev))
+            return self.heuristic_groups(chunks_per_seq, N, H, dev)
 
         if os.environ.get("KDAGEN_GROUPS") or ck.tracing():
             return heuristic()
@@ -494,7 +532,7 @@ class Kernels:
             groups = self._choose_groups(nchunks // max(N, 1), N, H, dev)
         groups = ck.group_count(op, groups)
         if segments is None:  # (0, one per group, where no compute units can be read: the emulation)
-            segments = segments_for_spec(self.spec, groups, N, H, num_compute_units(dev)) if dev.type == "cuda" else 0
+            segments = self.heuristic_segments(groups, N, H, dev) if dev.type == "cuda" else 0
         segments = ck.segment_count(op, segments, groups)
         workspace = group_workspace(groups, N * H, D, dev, alloc=_allocator(), segments=segments)
         fn(qg, w, u, kg_t, aqk, decay, out, sl.cu32, chunk_offsets, _scale(scale, D), initial_state,

@@ -363,6 +363,9 @@ class _FormRecorder:
     def fused_kda_chunk(self, qg, w, u, *rest, groups=None, akk=None):
         self.calls.append(("chunk", "u" if u.eq(7.0).all() else "v", akk is not None))
 
+    def heuristic_groups(self, chunks_per_seq, N, H, dev):
+        return 4
+
 
 @pytest.mark.parametrize("target, chunk, forms_u", [("sm_90", 16, True), ("gfx90a", 64, False)])
 def test_group_tuning_times_the_u_form_prefill_uses(cache, monkeypatch, target, chunk, forms_u):

@@ -415,6 +415,30 @@ def test_kda_forward_dense_batch_matches_the_reference(monkeypatch):
 
 
 @needs_clang
+def test_walk_residency_comes_from_the_occupancy_query(monkeypatch):
+    """Kernels.walk_residency: the runtime's occupancy (the emulation's is
+    KDAGEN_EMULATE_RESIDENT) where it tells, asked once per device; the chunk plan's where
+    it cannot (0); and the group heuristic counts those slots."""
+    from kdagen.groups import groups_for_spec, num_compute_units, planned_residency
+
+    fields = dict(head_dim=64, chunk_size=32, block_width=32, gate="softplus", target="sm_90")
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("KDAGEN_EMULATE_RESIDENT", raising=False)
+    kern = emulated(**fields)
+    planned = planned_residency(kern.spec)
+    assert kern.walk_residency(cpu) == planned
+    monkeypatch.setenv("KDAGEN_EMULATE_RESIDENT", "3")
+    assert kern.walk_residency(cpu) == planned  # asked once per device
+    fresh = emulated(**fields)
+    assert planned != (3, 3) and fresh.walk_residency(cpu) == (3, 3)
+    # 1 x 1 heads of 256 chunks on the emulated 8 units: three blocks per unit hold more groups
+    cus = num_compute_units(cpu)
+    more, fewer = (groups_for_spec(kern.spec, 256, 1, 1, cus, resident=r) for r in (3, planned[0]))
+    assert more > fewer
+    assert fresh.heuristic_groups(256, 1, 1, cpu) == more and kern.heuristic_groups(256, 1, 1, cpu) == fewer
+
+
+@needs_clang
 @pytest.mark.parametrize("target,groups", [("sm_90", 1), ("sm_90", 3), ("gfx90a", 1)])
 def test_padded_tail_is_left_alone(target, groups):
     """cu_seqlens ending before T (an engine's CUDA-graph padding, accepted as the

@@ -444,6 +444,25 @@ def test_fused_conv(has_state):
     assert torch.equal(state[[1, 2, 4]], before[[1, 2, 4]])
 
 
+@pytest.mark.parametrize("fields", [dict(chunk_size=16, gate="lower_bound"), dict(chunk_size=64),
+                                    dict(block_width=32), dict(chunk_size=32, block_width=64)],
+                         ids=["c16", "c64", "bv32", "c32-bv64"])
+def test_walk_residency_is_the_runtimes_and_meets_the_plan(fields):
+    """The chunk op's occupancy query (the torch binding's chunk_residency): blocks of the
+    walks with outputs and of pass one one SM holds, as compiled. On NVIDIA the launch
+    bound makes ptxas fit the plan's blocks, so the runtime's count is at least the plan's."""
+    from kdagen.groups import planned_residency
+
+    kern = kernels(head_dim=128, **fields)
+    got = kern.walk_residency(torch.device(DEV))
+    assert kern._residency, "the runtime was not asked"
+    raw = next(iter(kern._residency.values()))
+    assert all(n > 0 for n in raw), raw  # the runtime told, for both walks
+    planned = planned_residency(kern.spec)
+    print(f"{kern.spec.name}: runtime {raw}, plan {planned}")
+    assert got == raw and all(r >= p for r, p in zip(raw, planned)), (raw, planned)
+
+
 # ---- the whole layer against FLA ------------------------------------------------------------------
 
 

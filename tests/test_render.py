@@ -446,7 +446,10 @@ def test_ops_subset_renders_only_those_ops(ops):
         assert (f'm.impl("{name}_{op}", &{op});' in b) == present, op
         assert (f"kdagen::{s} a{{}};" in b) == present, op
         assert (f"check_launch({sym}_{op}(&a, current_stream()), \"{op}\");" in b) == present, op
-    assert b.count("m.def(") == len(ops)
+    # the chunk op's occupancy query: one schema more, with its kernel (no tensors: no impl)
+    assert (f'm.def("{name}_chunk_residency() -> int[]", &chunk_residency);' in b) == ("chunk" in ops)
+    assert (f"int {sym}_chunk_residency(int* out) {{" in k) == ("chunk" in ops)
+    assert b.count("m.def(") == len(ops) + ("chunk" in ops)
     assert b.count("m.impl(") == len(ops)
 
 

@@ -21,6 +21,7 @@
 //                            group then reads stale or NaN data)
 //   hipLaunchKernelGGL       runs the grid
 //   hipDeviceGetAttribute    the compute units: KDAGEN_EMULATE_CUS (default 8)
+//   hipOccupancyMax...       resident blocks: KDAGEN_EMULATE_RESIDENT (default 0: unknown)
 // Matrix layouts follow the ISA documents: mma.sync m16n8k16 (PTX ISA, lane = 4 g + t)
 // and v_mfma_f32_16x16x16 (CDNA ISA: A[i][k] in lane i + 16 (k / 4), element k % 4;
 // B[k][j] in lane j + 16 (k / 4); D[i][j] in lane j + 16 (i / 4), element i % 4).
@@ -415,6 +416,13 @@ inline hipError_t hipGetDevice(int* d) {
 inline hipError_t hipDeviceGetAttribute(int* v, int, int) {
   const char* env = std::getenv("KDAGEN_EMULATE_CUS");
   *v = env != nullptr && *env != '\0' ? std::atoi(env) : 8;
+  return hipSuccess;
+}
+// The emulated device has no occupancy: blocks resident per compute unit are
+// KDAGEN_EMULATE_RESIDENT, 0 (the runtime cannot tell) unless set.
+inline hipError_t hipOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void*, int, size_t) {
+  const char* env = std::getenv("KDAGEN_EMULATE_RESIDENT");
+  *n = env != nullptr && *env != '\0' ? std::atoi(env) : 0;
   return hipSuccess;
 }
 #define hipLaunchKernelGGL(kernel, grid, blk, shmem, stream, ...) \

@@ -26,5 +26,10 @@ inline hipError_t hipFuncSetAttribute(const void* f, cudaFuncAttribute a, int v)
   return cudaFuncSetAttribute(f, a, v);
 }
 
+inline hipError_t hipOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void* f, int threads,
+                                                              size_t shared) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, f, threads, shared);
+}
+
 #define hipLaunchKernelGGL(kernel, grid, block, shmem, stream, ...) \
   kernel<<<(grid), (block), (shmem), (stream)>>>(__VA_ARGS__)
