@@ -108,8 +108,26 @@ __device__ __forceinline__ float softplus_log2(float y) {
 // far inside bf16's range.
 constexpr float kDiagMmaMaxBound = 8.0f;
 
-template <class Cfg, bool kAkk = false>
-__global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlocks) prologue_kernel(PrologueArgs a) {
+// The prologue's barrier in prologue_kernel: the whole block.
+struct BlockBarrier {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+
+// The prologue of chunk `chunk` of head `h`, by the Cfg::kPrologueThreads threads of the
+// block from thread kFirstThread on (whole waves), in the block's dynamic LDS from byte
+// kLdsOffset on (PrologueLayout<Cfg>::kBytes; a compile-time offset, so that addresses
+// fold as in a kernel of its own), with `barrier` as their barrier. prologue_kernel runs
+// it once per block on all its threads; a kernel whose other waves do other work can run
+// it on a group of its waves behind a barrier of their own (the first step to the walks
+// with producer waves, docs/NOTES.md session 28). A chunk past a.num_chunks returns at
+// once: with that check in the caller, or the LDS passed as a pointer, nvcc scheduled the
+// kernel differently; as it is, prologue_kernel's SASS is that of the kernel before the
+// split (hipcc's code for CDNA differs slightly: 0-3% fewer instructions).
+template <class Cfg, bool kAkk, int kFirstThread, int kLdsOffset, class GroupBarrier>
+__device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int h, const int chunk,
+                                               const GroupBarrier barrier) {
+  static_assert(kFirstThread % kWaveSize == 0, "the prologue's threads are whole waves");
+  static_assert(kLdsOffset % 16 == 0, "the prologue's LDS is 16-byte aligned");
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   using Lay = PrologueLayout<Cfg>;
@@ -129,7 +147,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   static_assert(C % NW == 0, "chunk rows must spread evenly over the waves");
 
   KDAGEN_DYNAMIC_SHARED(smem);
-  float* Gs = reinterpret_cast<float*>(smem);
+  float* Gs = reinterpret_cast<float*>(smem + kLdsOffset);
   float* Ls = Gs;
   T* Ks = reinterpret_cast<T*>(Gs + C * LDG);
   T* Qs = Ks + C * LDK;  // only with kStageQ
@@ -144,11 +162,10 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   float* Lv = Sv + Lay::kScales * D;            // 2^(G_last - G_l(b)) of each block [NB][D]
   int* dmma = reinterpret_cast<int*>(Lv + NB * D);  // diagonal block b on the matrix units
 
-  // grid (H, chunks in rows of at most 65535, rows): heads fastest, no division
-  const int H = a.num_heads, h = blockIdx.x;
-  const int chunk = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
+  const int H = a.num_heads;
   if (chunk >= a.num_chunks) return;
-  const int tid = threadIdx.x, lane = lane_id(), wave = wave_id();
+  const int tid = static_cast<int>(threadIdx.x) - kFirstThread, lane = lane_id();
+  const int wave = wave_id() - kFirstThread / kWaveSize;
   const int n = a.chunk_indices[2 * chunk], lc = a.chunk_indices[2 * chunk + 1];
   const int bos = a.cu_seqlens[n], eos = a.cu_seqlens[n + 1];
   const int t0 = bos + lc * C;
@@ -342,7 +359,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     }
   }
   async::wait<0>();  // this thread's k / q copies have landed; the barrier publishes them
-  __syncthreads();
+  barrier();
   {
     // Cumulative sum down each column, SEG threads per column: each sums its run of
     // rows in place, then adds the totals of the runs above it.
@@ -357,18 +374,18 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         Gs[(r0 + i) * LDG + d] = acc;
       }
     }
-    __syncthreads();
+    barrier();
     if constexpr (SEG > 1) {
       static_assert(D * SEG == NT, "one (column, run) per thread");
       const int d = gcol(tid % D), sg = tid / D;
       float off = 0.0f;
       for (int p = 0; p < sg; ++p) off += Gs[((p + 1) * RUN - 1) * LDG + d];
-      __syncthreads();  // every run total is read before any is changed
+      barrier();  // every run total is read before any is changed
       if (sg > 0) {
 #pragma unroll
         for (int i = 0; i < RUN; ++i) Gs[(sg * RUN + i) * LDG + d] += off;
       }
-      __syncthreads();
+      barrier();
     }
   }
   if constexpr (Cfg::kStageQ) {
@@ -426,7 +443,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       }
     }
   }
-  __syncthreads();
+  barrier();
 
   // The outputs from this chunk's first row of head h; rows i apart are i * ld_hd (or
   // ld_hc) elements apart, 32-bit offsets inside a chunk.
@@ -522,12 +539,12 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
           x[r] = v;
         }
       }
-      __syncthreads();
+      barrier();
       if (tid < NB * 16) {
 #pragma unroll
         for (int r = 0; r < 16; ++r) Ls[(16 * b + r) * LDL + 16 * b + c] = x[r];
       }
-      __syncthreads();
+      barrier();
     }
     {
       const int r = tid / 16 % 16, c = tid % 16;  // this thread's entry of a 16 x 16 block
@@ -550,11 +567,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
             }
           }
         }
-        __syncthreads();  // row block i of L is read; its place takes T, then Ainv
+        barrier();  // row block i of L is read; its place takes T, then Ainv
 #pragma unroll
         for (int j = 0; j < NB; ++j)
           if (act && j < i) Ls[(16 * i + r) * LDL + 16 * j + c] = t[j];
-        __syncthreads();
+        barrier();
         if (act) {
           float inv[16];  // row r of Inv_ii
           row16(16 * i + r, 16 * i, inv);
@@ -568,11 +585,11 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
             }
           }
         }
-        __syncthreads();
+        barrier();
 #pragma unroll
         for (int j = 0; j < NB; ++j)
           if (act && j < i) Ls[(16 * i + r) * LDL + 16 * j + c] = t[j];
-        __syncthreads();
+        barrier();
       }
     }
   };
@@ -642,7 +659,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       if (lane == 0) dmma[wave] = span <= kDiagSpan<Mx> ? 1 : 0;
     }
     store_decay();
-    __syncthreads();
+    barrier();
 
     // ---- P3: diagonal blocks whose span is too wide: exact per pair ---------------------
     bool any_simt = false;
@@ -650,7 +667,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     for (int b = 0; b < NB; ++b) any_simt |= dmma[b] == 0;
     if (any_simt) {  // block-uniform
       diag_rows([&](int i) { return dmma[i / 16] == 0; }, false);
-      __syncthreads();  // the raw k, q rows are read before P4 replaces them
+      barrier();  // the raw k, q rows are read before P4 replaces them
     }
 
     // ---- P4: the operand planes, and qg; k plane <- b k^ 2^G (bf16), q plane <- Qa ------
@@ -702,7 +719,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         if (i < valid) store16(qg + i * ld_hd + c, pack8<Io>(qo));
       }
     }
-    __syncthreads();
+    barrier();
 
     // kg_t [D][C] from the Kb plane: k^_j 2^(G_last - G_j) = Kb_j 2^(G_last - G_l(j)) (over
     // 2^(G_f - G_l) where P4 scaled the chunk's one block), a thread per 8 consecutive rows
@@ -782,7 +799,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         }
       }
     }
-    __syncthreads();
+    barrier();
 
     // ---- P6: b v into the q plane (bf16); aqk out (16-byte stores); (I + L)^-1 ---------
     {
@@ -827,7 +844,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         }
       }
     }
-    __syncthreads();
+    barrier();
 
     // ---- P7: w = (I + L)^-1 (b k^ 2^G), u = (I + L)^-1 (b v) ------------------------------
     // A wave per 16-column slice of w or u (w alone with akk): block rows bi take the
@@ -858,7 +875,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         }
       }
     }
-    __syncthreads();
+    barrier();
 #pragma unroll
     for (int m = 0; m < ITERS8; ++m) {  // this thread's pieces of w and u
       const int i = r8 + m * RSTEP8;
@@ -948,7 +965,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   }
 
   diag_rows([&](int) { return !diag_mma; }, true);
-  __syncthreads();
+  barrier();
 
   // ---- phase 4: k plane <- b k^ 2^G, the right-hand side of w (and v into the q plane) --
   if constexpr (Lay::kMmaSolve && Lay::kVInQ && !kAkk) stage(Qs, 2, Sync{});
@@ -967,7 +984,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
     }
     *reinterpret_cast<uint4*>(Ks + i * LDK + d) = pack8<Io>(v);
   }
-  __syncthreads();
+  barrier();
 
   // ---- phase 5: L into the (now dead) G plane -------------------------------------------
 #pragma unroll
@@ -987,7 +1004,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       if (lane < 16 && j < i) Ls[i * LDL + j] = i < valid ? bt[i] * rk[i] * rk[j] * diagL[m] : 0.0f;
     }
   }
-  __syncthreads();
+  barrier();
 
   if constexpr (Lay::kMmaSolve) {
     // ---- phase 6: w = (I + L)^-1 (b k^ 2^G), u = (I + L)^-1 (b v) on the matrix units ---
@@ -1006,7 +1023,7 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
         if (i < valid) akk[i * ld_hc + j] = from_float<Io>(x * bt[j]);
       }
     }
-    __syncthreads();
+    barrier();
     // 2 x (C / 16) x (D / 16) output tiles over the waves: w from the k plane, u from
     // b * v in the q plane; block row bi takes the k-blocks kb <= bi. Where the q plane
     // is not free for v, the w tiles go first, then v replaces k in the k plane.
@@ -1041,9 +1058,9 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
       solve_tiles(0, TILES);
     } else {
       solve_tiles(0, WTILES);
-      __syncthreads();  // every w product has read the k plane
+      barrier();  // every w product has read the k plane
       stage(Ks, 2, Sync{});
-      __syncthreads();
+      barrier();
       solve_tiles(WTILES, TILES);
     }
   } else {
@@ -1093,6 +1110,13 @@ __global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlo
   }
   }  // kMmaSolve
   }  // kPlanar
+}
+
+template <class Cfg, bool kAkk = false>
+__global__ void KDAGEN_LAUNCH_BOUNDS(Cfg::kPrologueThreads, Cfg::kPrologueMinBlocks) prologue_kernel(PrologueArgs a) {
+  // grid (H, chunks in rows of at most 65535, rows): heads fastest, no division
+  const int chunk = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
+  prologue_chunk<Cfg, kAkk, 0, 0>(a, static_cast<int>(blockIdx.x), chunk, BlockBarrier{});
 }
 
 // After the prologue has read every sequence's conv history: store each
