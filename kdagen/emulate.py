@@ -22,7 +22,7 @@ import torch
 
 from .groups import segments_of
 from .ops import Kernels
-from .render import render, symbol_prefix
+from .render import KERNEL_SOURCE, render, symbol_prefix
 from .spec import KernelSpec, spec_from_any
 
 
@@ -160,14 +160,19 @@ def block_order() -> str:
     return how
 
 
-def emulated(spec: KernelSpec | dict | str | Path) -> Kernels:
-    """Build (once per spec and template version) and load the CPU emulation of a variant."""
+def emulated(spec: KernelSpec | dict | str | Path, extra_source: str = "") -> Kernels:
+    """Build (once per spec and template version) and load the CPU emulation of a variant.
+    ``extra_source`` (tests) is compiled at the end of its kernels.hip, so that probe
+    kernels can use the variant's Config and headers; its symbols are in the library
+    ``Kernels.library`` names."""
     block_order()  # a wrong KDAGEN_EMULATE_BLOCK_ORDER is named here, not by an abort inside a launch
     spec = spec_from_any(spec)
     rendered = render(spec)
     # keyed by what is compiled: the rendered sources (their Config follows kdagen's
-    # resource constants too, not only the spec and the templates)
+    # resource constants too, not only the spec and the templates) and any extra source
     key = rendered.digest()[:12]
+    if extra_source:
+        key += "-" + hashlib.sha256(extra_source.encode()).hexdigest()[:8]
     root = _build_dir() / f"{spec.name}-{key}"
     lib_path = root / "emulated.so"
     if not lib_path.is_file():
@@ -175,7 +180,7 @@ def emulated(spec: KernelSpec | dict | str | Path) -> Kernels:
         for rel, text in rendered.files.items():
             p = root / "src" / rel
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
+            p.write_text(text + (extra_source if rel == KERNEL_SOURCE else ""))
         nv = spec.target_info.vendor == "nvidia"
         tmp = root / f"emulated.so.tmp{os.getpid()}"
         cmd = [find_clang(), "-x", "c++", "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread",

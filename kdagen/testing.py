@@ -36,6 +36,46 @@ class KdaInputs:
         return (self.q, self.k, self.v, self.g, self.beta, self.A_log, self.dt_bias)
 
 
+# A probe kernel: the prologue on the waves past the first kFirst threads of a block,
+# in the block's LDS from byte kOffset on, behind a named barrier, while the waves before
+# it fill the LDS below kOffset with a pattern and, after a block barrier, check that it
+# is intact (else they put a NaN into qg): prologue_chunk as a kernel with waves of other
+# jobs would run it. Appended to a rendered sm_90 kernels.hip (NamedBarrier is NVIDIA's):
+# tests/test_emulated_kernels.py runs it, tests/test_compile.py compiles it with nvcc.
+PROLOGUE_GROUP_PROBE = r"""
+namespace kdagen {
+template <bool kAkk, int kFirst, int kOffset>
+__global__ void prologue_group_probe(PrologueArgs a) {
+  KDAGEN_DYNAMIC_SHARED(lds);
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < kFirst) {
+    for (int i = tid; i < kOffset; i += kFirst) lds[i] = 0x5a;
+  } else {
+    const int chunk = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
+    prologue_chunk<Config, kAkk, kFirst, kOffset>(a, static_cast<int>(blockIdx.x), chunk,
+                                                  NamedBarrier<3, Config::kPrologueThreads>{});
+  }
+  __syncthreads();
+  if (tid < kFirst)
+    for (int i = tid; i < kOffset; i += kFirst)
+      if (lds[i] != 0x5a) static_cast<uint16_t*>(a.qg)[0] = 0x7fc0;  // a NaN: the test fails
+}
+}  // namespace kdagen
+
+extern "C" int prologue_group_probe(const kdagen::PrologueArgs* a, void*) {
+  constexpr int kFirst = 64, kOffset = 1024;
+  const dim3 grid(static_cast<unsigned>(a->num_heads), static_cast<unsigned>(a->num_chunks), 1);
+  const dim3 block(kFirst + kdagen::Config::kPrologueThreads);
+  const int lds = kOffset + kdagen::PrologueLayout<kdagen::Config>::kBytes;
+  if (a->akk != nullptr)
+    hipLaunchKernelGGL((kdagen::prologue_group_probe<true, kFirst, kOffset>), grid, block, lds, nullptr, *a);
+  else
+    hipLaunchKernelGGL((kdagen::prologue_group_probe<false, kFirst, kOffset>), grid, block, lds, nullptr, *a);
+  return 0;
+}
+"""
+
+
 def make_inputs(
     lens: list[int],
     heads: int,

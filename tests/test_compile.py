@@ -272,3 +272,29 @@ def test_no_shipped_kernel_spills(built, name):
     spilling = [(r.kernel, r.spill_bytes) for r in rows if r.spills]
     assert not spilling, spilling
     assert all(r.registers > 0 for r in rows if "conv_state" not in r.kernel)
+
+
+@pytest.mark.skipif(not _have("sm_90"), reason="nvcc not installed")
+def test_prologue_on_a_group_of_waves_compiles_for_sm90(tmp_path):
+    """kdagen.testing's probe (prologue_chunk on a later group of a block's waves, behind
+    NamedBarrier; run in the emulation by test_emulated_kernels) through nvcc: the named
+    barrier's bar.sync assembles, and nothing spills."""
+    from kdagen.render import KERNEL_SOURCE, render
+    from kdagen.spec import KernelSpec
+    from kdagen.targets import get_target
+    from kdagen.testing import PROLOGUE_GROUP_PROBE
+    from kdagen.toolchain import device_compiler
+
+    spec = KernelSpec.parse(dict(head_dim=128, chunk_size=16, gate="lower_bound", target="sm_90"))
+    src = tmp_path / "src"
+    render(spec).write(src)
+    (src / KERNEL_SOURCE).write_text((src / KERNEL_SOURCE).read_text() + PROLOGUE_GROUP_PROBE)
+    cc = device_compiler(get_target("sm_90"))
+    cmd = cc.compile_command(str(src / KERNEL_SOURCE), str(tmp_path / "k.o"), str(src / "include"),
+                             str(tmp_path / "k.d"))
+    r = _run(cmd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # ptxas -v: each entry's spill line follows its "Compiling entry function" line
+    spills = re.findall(r"Compiling entry function '\S*prologue_group_probe\S*'.*?\n.*?(\d+) bytes "
+                        r"spill stores", r.stdout + r.stderr, flags=re.S)
+    assert len(spills) == 2 and spills == ["0", "0"], spills

@@ -415,6 +415,36 @@ def test_kda_forward_dense_batch_matches_the_reference(monkeypatch):
 
 
 @needs_clang
+@pytest.mark.parametrize("defer_u", [True, False], ids=["akk", "u"])
+def test_prologue_on_a_group_of_waves_equals_the_prologue_kernel(defer_u, monkeypatch):
+    """prologue_chunk run by a later group of a block's waves (from thread 64), in LDS
+    1024 bytes in (the first waves keep a pattern below it), behind a named barrier
+    (sm_90's bar.sync): every output equal, to the bit, to prologue_kernel's on the same
+    inputs (varlen, partial chunks, lower-bound gate), as the fused walk will run it."""
+    import ctypes as ct
+    import functools
+
+    from kdagen.emulate import PrologueArgs
+    from kdagen.emulate import emulated as build
+    from kdagen.testing import PROLOGUE_GROUP_PROBE
+
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    kern = build(dict(head_dim=64, chunk_size=16, gate="lower_bound", target="sm_90"),
+                 extra_source=PROLOGUE_GROUP_PROBE)
+    probe = getattr(ct.CDLL(kern.library), "prologue_group_probe")
+    probe.restype, probe.argtypes = ct.c_int, [ct.POINTER(PrologueArgs), ct.c_void_p]
+    x = make_inputs([1, 15, 16, 17, 37], 2, 64, device="cpu", gate="lower_bound", seed=21)
+    args = (*x.args(), None, x.lower_bound, x.cu_seqlens)
+    want = kern.fused_kda_prologue(*args, defer_u=defer_u)
+    kern.ops["prologue"] = functools.partial(kern.ops["prologue"], f=probe)
+    got = kern.fused_kda_prologue(*args, defer_u=defer_u)
+    assert set(got) == set(want)
+    for name in want:  # outputs poisoned (NaN) before each launch: an unwritten one differs
+        assert not want[name].isnan().any(), name
+        assert torch.equal(got[name], want[name]), name
+
+
+@needs_clang
 def test_walk_residency_comes_from_the_occupancy_query(monkeypatch):
     """Kernels.walk_residency: the runtime's occupancy (the emulation's is
     KDAGEN_EMULATE_RESIDENT) where it tells, asked once per device; the chunk plan's where

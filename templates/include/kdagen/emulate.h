@@ -8,6 +8,7 @@
 // a fixed seed per launch: reproducible), forward or reverse), so a block that writes into
 // a neighbour's rows is not hidden by the neighbour writing them again after it.
 //   __syncthreads            a barrier of the block's threads
+//   bar.sync id, count       a barrier of `count` threads, made at its first arrival
 //   wave collectives         shuffles and matrix instructions meet at a barrier of the
 //                            wave's threads, exchange operands through a wave scratchpad;
 //                            so do ldmatrix / stmatrix (x4, .trans), from the row address
@@ -36,6 +37,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -100,6 +102,9 @@ struct Block {
   unsigned char* smem = nullptr;
   std::unique_ptr<std::barrier<>> bar;
   std::vector<std::unique_ptr<Wave>> waves;
+  std::mutex named_mutex;  // named barriers: made by their first arrival, with its count
+  std::unique_ptr<std::barrier<>> named[16];
+  int named_count[16] = {};
 };
 inline Block block;
 
@@ -108,6 +113,24 @@ inline int my_lane() { return static_cast<int>(threadIdx.x % kWave); }
 inline unsigned char* smem() { return block.smem; }
 inline void syncthreads() { block.bar->arrive_and_wait(); }
 inline void wave_barrier() { my_wave().bar->arrive_and_wait(); }
+// bar.sync id, count: the first thread to arrive makes the barrier; every later use of the
+// id in the block must name the same count.
+inline void named_barrier(int id, int count) {
+  std::barrier<>* bar;
+  {
+    std::lock_guard<std::mutex> lock(block.named_mutex);
+    if (!block.named[id]) {
+      block.named[id] = std::make_unique<std::barrier<>>(count);
+      block.named_count[id] = count;
+    } else if (block.named_count[id] != count) {
+      std::fprintf(stderr, "kdagen emulate: named barrier %d used with %d and %d threads\n", id,
+                   block.named_count[id], count);
+      std::abort();
+    }
+    bar = block.named[id].get();
+  }
+  bar->arrive_and_wait();
+}
 // 2^x with results below 2^-126 flushed to zero (the hardware forms of exp2_fast)
 inline float exp2_ftz(float x) {
   const float y = std::exp2(x);
@@ -206,6 +229,7 @@ inline void launch(dim3 grid, dim3 blk, size_t shmem, const std::function<void()
     std::memset(base, 0xff, shmem);  // NaN bytes
     block.smem = base;
     block.bar = std::make_unique<std::barrier<>>(nt);
+    for (int id = 0; id < 16; ++id) block.named[id].reset(), block.named_count[id] = 0;
     block.waves.clear();
     for (int w = 0; w < (nt + kWave - 1) / kWave; ++w) {
       auto wave = std::make_unique<Wave>();

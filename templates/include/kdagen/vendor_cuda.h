@@ -53,6 +53,23 @@ __device__ __forceinline__ float wave_max(float x) {
 
 __device__ __forceinline__ void wave_sync() { __syncwarp(); }
 
+// A barrier of kThreads threads (whole warps) of the block, on hardware barrier kId (1 to
+// 15; 0 is __syncthreads'): the warps of one job in a block whose warps do different jobs
+// (prologue_chunk on a group of a kernel's warps). Like __syncthreads it orders the
+// participants' shared and global memory accesses.
+template <int kId, int kThreads>
+struct NamedBarrier {
+  static_assert(kId > 0 && kId < 16, "bar.sync ids 1 to 15 (0 is __syncthreads')");
+  static_assert(kThreads > 0 && kThreads % 32 == 0, "a named barrier counts whole warps");
+  __device__ __forceinline__ void operator()() const {
+#if defined(KDAGEN_EMULATE)
+    kdagen_emu::named_barrier(kId, kThreads);
+#else
+    asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+#endif
+  }
+};
+
 // 2^x in one instruction (ex2.approx.ftz: 2^-22 relative error, results below 2^-126
 // flush to zero). exp2f adds a range check and two rescales to keep those subnormals;
 // no kdagen factor needs them (they multiply values <= 1 and end in 16-bit operands).
