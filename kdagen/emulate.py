@@ -163,8 +163,8 @@ def block_order() -> str:
 def emulated(spec: KernelSpec | dict | str | Path, extra_source: str = "") -> Kernels:
     """Build (once per spec and template version) and load the CPU emulation of a variant.
     ``extra_source`` (tests) is compiled at the end of its kernels.hip, so that probe
-    kernels can use the variant's Config and headers; its symbols are in the library
-    ``Kernels.library`` names."""
+    kernels can use the variant's Config and headers; its symbols are in the library at
+    ``Kernels.library``."""
     block_order()  # a wrong KDAGEN_EMULATE_BLOCK_ORDER is named here, not by an abort inside a launch
     spec = spec_from_any(spec)
     rendered = render(spec)
