@@ -7,6 +7,7 @@ caching allocator, and launch on the current stream without synchronising.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -37,7 +38,8 @@ class Kernels:
         self.dtype = IO_DTYPES[spec.io_dtype]
         self.device_type = device_type  # "cpu" for the emulated kernels (kdagen/emulate.py)
         # the chunk op's occupancy query on the current device: (walks with outputs, pass
-        # one) blocks per compute unit, 0 where the runtime cannot tell
+        # one) blocks per compute unit, 0 where the runtime cannot tell; per device index
+        # the residency walk_residency made of it
         self._residency_query = residency
         self._residency: dict[int, tuple[int, int]] = {}
 
@@ -110,24 +112,24 @@ class Kernels:
     def walk_residency(self, dev: torch.device) -> tuple[int, int]:
         """Walk blocks one compute unit of ``dev`` holds at once: (the walks with outputs,
         pass one), from the runtime's occupancy calculator for the kernels as compiled
-        (registers, LDS, launch bounds; asked once per device). Where the runtime cannot
-        tell (0: the emulation, unless KDAGEN_EMULATE_RESIDENT), while tracing before it
-        was asked, or without the chunk op: the chunk plan's (``groups.planned_residency``),
-        which counts no registers."""
-        planned = planned_residency(self.spec)
+        (registers, LDS, launch bounds; asked once per device, the answer kept). Where the
+        runtime cannot tell (0: the emulation, unless KDAGEN_EMULATE_RESIDENT), while
+        tracing before it was asked, or without the chunk op: the chunk plan's
+        (``groups.planned_residency``), which counts no registers."""
         key = dev.index if dev.index is not None else (
             torch.cuda.current_device() if dev.type == "cuda" else 0)
         got = self._residency.get(key)
-        if got is None and self._residency_query is not None and not ck.tracing():
-            if dev.type == "cuda":
-                with torch.cuda.device(key):
-                    got = tuple(int(n) for n in self._residency_query())
-            else:
-                got = tuple(int(n) for n in self._residency_query())
-            self._residency[key] = got  # type: ignore[assignment]
-        if got is None:
+        if got is not None:
+            return got
+        planned = planned_residency(self.spec)
+        if self._residency_query is None or ck.tracing():
             return planned
-        return (got[0] or planned[0], got[1] or planned[1])
+        on_dev = torch.cuda.device(key) if dev.type == "cuda" else contextlib.nullcontext()
+        with on_dev:
+            told = [int(n) for n in self._residency_query()]
+        got = (told[0] or planned[0], told[1] or planned[1])
+        self._residency[key] = got
+        return got
 
     def heuristic_groups(self, chunks_per_seq: int, N: int, H: int, dev: torch.device) -> int:
         """``groups.groups_for_spec`` on ``dev``, with the walks' residency as compiled."""
@@ -375,19 +377,16 @@ class Kernels:
 
         p, sl = self._prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound,
                                cu_seqlens, None, None, None, None, chunk_indices, defer, check_walk)
-        N, empty = sl.num_seqs, _allocator()
         if defer:
-            u, out = v, empty(*p["w"].shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
+            u, out = v, _empty(*p["w"].shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
         else:  # the scan reads each chunk's u before it writes that chunk's output: o takes u's place
             u = out = p["u"]
         # The prologue's outputs and the cu_seqlens it checked go to the walk as they are;
         # what the caller gave (v as u, the initial state, groups) was checked before the
         # prologue's launch.
-        dev, H = q.device, q.shape[2]
-        final_state = empty(N, H, D, D, dtype=torch.float32, device=dev) if output_final_state else None
         return walk._walk(p["qg"], p["w"], u, p["kg_t"], p["aqk"], p["decay"], out, scale, sl,
-                          sl.chunk_offsets, initial_state, final_state, None, None, None, None,
-                          None, None, groups, None, p.get("akk"), dev)
+                          sl.chunk_offsets, initial_state, output_final_state, None, None, None,
+                          None, None, None, groups, None, p.get("akk"), q.device)
 
     # ---- prefill: chunk scan ---------------------------------------------------------------
 
@@ -510,31 +509,30 @@ class Kernels:
                 raise ck.ArgumentError(f"{op}: argument 'kg_t' holds {nchunks} chunks, but "
                                        f"cu_seqlens makes {made} chunks of {C}")
 
-        final_state = None
-        if output_final_state:
-            final_state = _allocator()(N, H, D, D, dtype=torch.float32, device=dev)
         return self._walk(qg, w, u, kg_t, aqk, decay, out, scale, sl, co, initial_state,
-                          final_state, checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
+                          output_final_state, checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
                           state_cache, state_indices, has_initial_state, groups, segments, akk, dev)
 
     def _walk(self, qg, w, u, kg_t, aqk, decay, out, scale, sl: seqlens.SeqLens,
-              chunk_offsets: torch.Tensor, initial_state, final_state, checkpoint_state,
+              chunk_offsets: torch.Tensor, initial_state, output_final_state: bool, checkpoint_state,
               checkpoint_offsets, checkpoint_state_indices, state_cache, state_indices,
               has_initial_state, groups: int | None, segments: int | None, akk,
               dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunk scan's launch on checked arguments (``fused_kda_chunk``'s, or
         ``prefill``'s: the prologue's outputs as they came): the group and segment
-        counts, the workspace, the op."""
+        counts, the final state and the workspace (one allocator), the op."""
         op = "fused_kda_chunk"
         fn = self._op("chunk")
         N, H, D, nchunks = sl.num_seqs, qg.shape[2], self.spec.head_dim, kg_t.shape[0]
+        empty = _allocator()
+        final_state = empty(N, H, D, D, dtype=torch.float32, device=dev) if output_final_state else None
         if groups is None:
             groups = self._choose_groups(nchunks // max(N, 1), N, H, dev)
         groups = ck.group_count(op, groups)
         if segments is None:  # (0, one per group, where no compute units can be read: the emulation)
             segments = self.heuristic_segments(groups, N, H, dev) if dev.type == "cuda" else 0
         segments = ck.segment_count(op, segments, groups)
-        workspace = group_workspace(groups, N * H, D, dev, alloc=_allocator(), segments=segments)
+        workspace = group_workspace(groups, N * H, D, dev, alloc=empty, segments=segments)
         fn(qg, w, u, kg_t, aqk, decay, out, sl.cu32, chunk_offsets, _scale(scale, D), initial_state,
            final_state, workspace, int(groups), checkpoint_state, checkpoint_offsets,
            checkpoint_state_indices, state_cache, state_indices, has_initial_state, akk,
