@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .groups import MAX_GROUPS, num_compute_units
+from .groups import MAX_GROUPS, cuda_index, num_compute_units
 from .lock import FileLock
 
 FORMAT = 1
@@ -76,8 +76,7 @@ def group_candidates(chunks_per_seq: int, heuristic: int) -> list[int]:
 
 def device_tag(device: torch.device | None = None) -> str:
     """A file-name-safe name of the GPU model and its compute-unit count."""
-    dev = device or torch.device("cuda", torch.cuda.current_device())
-    return _device_tag(dev.index if dev.index is not None else torch.cuda.current_device())
+    return _device_tag(cuda_index(device))
 
 
 @lru_cache(maxsize=None)
@@ -317,8 +316,7 @@ def _synthetic(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, device:
 
 
 def _gpu(device: torch.device | None) -> torch.device:
-    dev = device or torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    return torch.device("cuda", cuda_index(device))
 
 
 def tune_groups(kern, num_seqs: int, num_heads: int, chunks_per_seq: int, *, reps: int = 10,

@@ -160,6 +160,11 @@ def _cus(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def cuda_index(device: torch.device | None) -> int:
+    """The index of the GPU ``device`` names: its own, else the current device's."""
+    return device.index if device is not None and device.index is not None else torch.cuda.current_device()
+
+
 def num_compute_units(device: torch.device) -> int:
     """CUs (AMD) or SMs (NVIDIA) of ``device``, read from the device (once per device;
     while torch.compile traces, straight from its properties, a constant to the tracer,
@@ -167,7 +172,7 @@ def num_compute_units(device: torch.device) -> int:
     KDAGEN_EMULATE_CUS (8 unless set), as its launchers see (emulate.h)."""
     if device.type != "cuda":
         return int(os.environ.get("KDAGEN_EMULATE_CUS", "") or 8)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     if torch.compiler.is_compiling():
         return torch.cuda.get_device_properties(index).multi_processor_count
     return _cus(index)

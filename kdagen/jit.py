@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .build import BuildError, Entry, _invalidate, build, resource_constants
+from .groups import cuda_index
 from .ops import Kernels
 from .spec import KernelSpec, spec_from_any
 
@@ -31,7 +32,7 @@ def device_target(device: torch.device | None = None) -> str:
     if not torch.cuda.is_available():
         raise RuntimeError("no GPU: torch.cuda.is_available() is False; set KDAGEN_ARCH or use "
                            "`kdagen build --compile-only`")
-    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     props = torch.cuda.get_device_properties(index)
     arch = getattr(props, "gcnArchName", "") or ""
     if getattr(torch.version, "hip", None) and arch:

@@ -19,8 +19,8 @@ import torch
 from . import checks as ck
 from . import autotune
 from . import seqlens
-from .groups import (group_workspace, groups_for_spec, num_compute_units, planned_residency,
-                     segments_for_spec)
+from .groups import (cuda_index, group_workspace, groups_for_spec, num_compute_units,
+                     planned_residency, segments_for_spec)
 from .spec import KernelSpec
 
 IO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -116,8 +116,7 @@ class Kernels:
         runtime cannot tell (0: the emulation, unless KDAGEN_EMULATE_RESIDENT), while
         tracing before it was asked, or without the chunk op: the chunk plan's
         (``groups.planned_residency``), which counts no registers."""
-        key = dev.index if dev.index is not None else (
-            torch.cuda.current_device() if dev.type == "cuda" else 0)
+        key = cuda_index(dev) if dev.type == "cuda" else (dev.index or 0)
         got = self._residency.get(key)
         if got is not None:
             return got
