@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from kdagen import reference as ref
-from kdagen.testing import PROLOGUE_TOL, conv_prologue_reference, make_inputs, rel_err
+from kdagen.testing import BF16_TOL, PROLOGUE_TOL, conv_prologue_reference, make_inputs, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
 ]
 
-BF16_TOL = 2e-2
 DEV = "cuda"
 
 
