@@ -98,7 +98,7 @@ def build(spec: KernelSpec, where: Path) -> ct.CDLL:
                 [cc.path, "-shared", str(obj), "-o", str(lib)]):
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd[:3])} ... failed:\n{r.stderr[-3000:]}")
+            raise RuntimeError(f"{' '.join(cmd[:3])} ... failed:\n{r.stderr[-3000:]}")
         logs.append(r.stdout + r.stderr)
     # ptxas -v: each kernel's registers / spills follow its "Compiling entry function" line
     for entry, usage in re.findall(r"Compiling entry function '(\S+)'.*?\n(.*?registers.*?)\n", logs[0], flags=re.S):

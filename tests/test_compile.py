@@ -298,3 +298,27 @@ def test_prologue_on_a_group_of_waves_compiles_for_sm90(tmp_path):
     spills = re.findall(r"Compiling entry function '\S*prologue_group_probe\S*'.*?\n.*?(\d+) bytes "
                         r"spill stores", r.stdout + r.stderr, flags=re.S)
     assert len(spills) == 2 and spills == ["0", "0"], spills
+
+
+@pytest.mark.skipif(not _have("sm_90"), reason="nvcc not installed")
+def test_producer_probe_builds_for_sm90(tmp_path):
+    """scripts/producer_probe.py's library (the rendered prologue with its probe kernel at
+    the end) compiles and links with nvcc, and exports what the script calls."""
+    import ctypes as ct
+
+    from kdagen.spec import KernelSpec
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import producer_probe
+    finally:
+        sys.path.pop(0)
+    spec = KernelSpec.parse(dict(head_dim=128, chunk_size=16, gate="lower_bound", target="sm_90",
+                                 ops=["prologue"]))
+    try:
+        lib = producer_probe.build(spec, tmp_path)
+    except OSError as e:  # built, but no CUDA driver to load it against on a CPU machine
+        assert (tmp_path / "k.so").is_file(), e
+        return
+    for name in ("producer_probe", "producer_probe_set", "producer_probe_got"):
+        assert isinstance(getattr(lib, name), ct._CFuncPtr), name
