@@ -304,8 +304,6 @@ def test_prologue_on_a_group_of_waves_compiles_for_sm90(tmp_path):
 def test_producer_probe_builds_for_sm90(tmp_path):
     """scripts/producer_probe.py's library (the rendered prologue with its probe kernel at
     the end) compiles and links with nvcc, and exports what the script calls."""
-    import ctypes as ct
-
     from kdagen.spec import KernelSpec
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -321,4 +319,4 @@ def test_producer_probe_builds_for_sm90(tmp_path):
         assert (tmp_path / "k.so").is_file(), e
         return
     for name in ("producer_probe", "producer_probe_set", "producer_probe_got"):
-        assert isinstance(getattr(lib, name), ct._CFuncPtr), name
+        assert callable(getattr(lib, name)), name  # (a missing symbol raises AttributeError)
