@@ -22,7 +22,7 @@ import torch
 
 from .groups import segments_of
 from .ops import Kernels
-from .render import KERNEL_SOURCE, render, symbol_prefix
+from .render import render, symbol_prefix
 from .spec import KernelSpec, spec_from_any
 
 
@@ -177,10 +177,7 @@ def emulated(spec: KernelSpec | dict | str | Path, extra_source: str = "") -> Ke
     lib_path = root / "emulated.so"
     if not lib_path.is_file():
         root.mkdir(parents=True, exist_ok=True)
-        for rel, text in rendered.files.items():
-            p = root / "src" / rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text + (extra_source if rel == KERNEL_SOURCE else ""))
+        rendered.write(root / "src", extra_source)
         nv = spec.target_info.vendor == "nvidia"
         tmp = root / f"emulated.so.tmp{os.getpid()}"
         cmd = [find_clang(), "-x", "c++", "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread",

@@ -78,10 +78,14 @@ class Rendered:
             h.update(rel.encode() + b"\0" + self.files[rel].encode() + b"\0")
         return h.hexdigest()
 
-    def write(self, folder: Path) -> list[Path]:
-        """Write into ``folder`` (created), only rewriting files that changed."""
+    def write(self, folder: Path, extra_source: str = "") -> list[Path]:
+        """Write into ``folder`` (created), only rewriting files that changed.
+        ``extra_source`` (probes and tests) goes at the end of the kernel source, where it
+        sees the variant's Config and headers."""
         written = []
         for rel, text in self.files.items():
+            if rel == KERNEL_SOURCE:
+                text += extra_source
             path = folder / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             if not path.is_file() or path.read_text() != text:

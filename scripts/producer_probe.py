@@ -32,7 +32,7 @@ import torch
 from kdagen.bench import time_ms
 from kdagen.emulate import PrologueArgs, _ops
 from kdagen.ops import Kernels
-from kdagen.render import KERNEL_SOURCE, render, symbol_prefix
+from kdagen.render import KERNEL_SOURCE, render
 from kdagen.spec import KernelSpec
 from kdagen.targets import get_target
 from kdagen.testing import make_inputs
@@ -89,8 +89,7 @@ extern "C" int producer_probe(const kdagen::PrologueArgs* a, void*) {
 def build(spec: KernelSpec, where: Path) -> ct.CDLL:
     """nvcc: the spec's rendered kernels.hip with PROBE at its end, as a shared library."""
     src = where / "src"
-    render(spec).write(src)
-    (src / KERNEL_SOURCE).write_text((src / KERNEL_SOURCE).read_text() + PROBE)
+    render(spec).write(src, PROBE)
     cc = device_compiler(get_target(spec.target))
     obj, lib = where / "k.o", where / "k.so"
     logs = []

@@ -287,8 +287,7 @@ def test_prologue_on_a_group_of_waves_compiles_for_sm90(tmp_path):
 
     spec = KernelSpec.parse(dict(head_dim=128, chunk_size=16, gate="lower_bound", target="sm_90"))
     src = tmp_path / "src"
-    render(spec).write(src)
-    (src / KERNEL_SOURCE).write_text((src / KERNEL_SOURCE).read_text() + PROLOGUE_GROUP_PROBE)
+    render(spec).write(src, PROLOGUE_GROUP_PROBE)
     cc = device_compiler(get_target("sm_90"))
     cmd = cc.compile_command(str(src / KERNEL_SOURCE), str(tmp_path / "k.o"), str(src / "include"),
                              str(tmp_path / "k.d"))
