@@ -63,25 +63,29 @@ def chunk_groups(
     return cand if cand >= 4 else 1
 
 
-def planned_residency(spec) -> tuple[int, int]:
-    """Walk blocks one compute unit holds as the chunk plan of ``spec`` (a KernelSpec)
-    intends them: (the walks with outputs, pass one), from the launch bound and the LDS
-    alone. ``Kernels.walk_residency`` has the device's own, as compiled."""
+def _plan(spec, plan):
     from .render import chunk_plan_for
 
-    plan = chunk_plan_for(spec)
+    return plan if plan is not None else chunk_plan_for(spec)
+
+
+def planned_residency(spec, plan=None) -> tuple[int, int]:
+    """Walk blocks one compute unit holds as the chunk plan of ``spec`` (a KernelSpec)
+    intends them: (the walks with outputs, pass one), from the launch bound and the LDS
+    alone. ``Kernels.walk_residency`` has the device's own, as compiled. ``plan``: the
+    variant's chunk plan where the caller keeps it (else worked out here)."""
+    plan = _plan(spec, plan)
     return plan.min_blocks, plan.pass_one_resident(spec.block_width)
 
 
 def segments_for_spec(spec, groups: int, num_seqs: int, num_heads: int, num_cus: int,
-                      resident: int | None = None) -> int:
+                      resident: int | None = None, plan=None) -> int:
     """``pass_one_segments`` for the chunk scan of ``spec`` (a KernelSpec); ``resident``:
-    pass-one blocks per compute unit (default: the plan's)."""
-    from .render import chunk_plan_for
-
+    pass-one blocks per compute unit (default: the plan's); ``plan`` as in
+    ``planned_residency``."""
     if groups <= 1:  # the single walk: no pass one (and no chunk plan to work out per call)
         return 0
-    plan = chunk_plan_for(spec)
+    plan = _plan(spec, plan)
     D, bv1 = spec.head_dim, plan.width_of_pass_one(spec.block_width)
     return pass_one_segments(groups, num_seqs, num_heads, num_cus,
                              pass_one_blocks=(1 if plan.pass_one_paired else 2) * D // bv1,
@@ -89,16 +93,14 @@ def segments_for_spec(spec, groups: int, num_seqs: int, num_heads: int, num_cus:
 
 
 def groups_for_spec(spec, chunks_per_seq: int, num_seqs: int, num_heads: int, num_cus: int,
-                    resident: int | None = None) -> int:
+                    resident: int | None = None, plan=None) -> int:
     """``chunk_groups`` for the chunk scan of ``spec`` (a KernelSpec): its blocks per pass
     from the block width; ``resident``: walk blocks per compute unit (default: the
-    launch bound of its chunk plan)."""
-    from .render import chunk_plan_for
-
+    launch bound of its chunk plan); ``plan`` as in ``planned_residency``."""
     D, bv = spec.head_dim, spec.block_width
     return chunk_groups(chunks_per_seq, num_seqs, num_heads, num_cus, pass_one_blocks=2 * D // bv,
                         pass_two_blocks=D // bv,
-                        resident=resident or chunk_plan_for(spec).min_blocks)
+                        resident=resident or _plan(spec, plan).min_blocks)
 
 
 # Pass one in segments that end between group starts stops at each group start inside

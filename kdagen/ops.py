@@ -109,6 +109,16 @@ class Kernels:
             b = b.clone()  # the kernels read dt_bias as float4
         return a.reshape(-1).float().contiguous(), b
 
+    @functools.cached_property
+    def chunk_plan(self):
+        """The variant's chunk plan (``render.chunk_plan_for``), worked out once, at its first
+        use, and kept: the group and segment heuristics read it on every call (working it
+        out took ~9 us a grouped call). The kernels were compiled under the same resource
+        constants."""
+        from .render import chunk_plan_for
+
+        return chunk_plan_for(self.spec)
+
     def walk_residency(self, dev: torch.device) -> tuple[int, int]:
         """Walk blocks one compute unit of ``dev`` holds at once: (the walks with outputs,
         pass one), from the runtime's occupancy calculator for the kernels as compiled
@@ -120,7 +130,7 @@ class Kernels:
         got = self._residency.get(key)
         if got is not None:
             return got
-        planned = planned_residency(self.spec)
+        planned = planned_residency(self.spec, self.chunk_plan)
         if self._residency_query is None or ck.tracing():
             return planned
         on_dev = torch.cuda.device(key) if dev.type == "cuda" else contextlib.nullcontext()
@@ -133,12 +143,12 @@ class Kernels:
     def heuristic_groups(self, chunks_per_seq: int, N: int, H: int, dev: torch.device) -> int:
         """``groups.groups_for_spec`` on ``dev``, with the walks' residency as compiled."""
         return groups_for_spec(self.spec, chunks_per_seq, N, H, num_compute_units(dev),
-                               resident=self.walk_residency(dev)[0])
+                               resident=self.walk_residency(dev)[0], plan=self.chunk_plan)
 
     def heuristic_segments(self, groups: int, N: int, H: int, dev: torch.device) -> int:
         """``groups.segments_for_spec`` on ``dev``, with pass one's residency as compiled."""
         return segments_for_spec(self.spec, groups, N, H, num_compute_units(dev),
-                                 resident=self.walk_residency(dev)[1])
+                                 resident=self.walk_residency(dev)[1], plan=self.chunk_plan)
 
     def _choose_groups(self, chunks_per_seq: int, N: int, H: int, dev: torch.device) -> int:
         """KDAGEN_GROUPS, else a tuned choice from the autotune cache (tuned now with

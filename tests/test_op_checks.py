@@ -1240,6 +1240,29 @@ def test_pass_one_segments_count_pass_ones_own_blocks(width, blocks, resident, m
     assert f"static constexpr int kBlockV = {width};" in src or not width
 
 
+def test_kernels_work_out_their_chunk_plan_once(monkeypatch):
+    """The group and segment heuristics of a loaded variant read the chunk plan it keeps
+    (worked out at the first call, ~9 us a grouped call before), with the answers of the
+    groups.py functions that work it out themselves."""
+    from kdagen import render
+    from kdagen.groups import groups_for_spec, segments_for_spec
+    from kdagen.ops import Kernels
+    from kdagen.spec import KernelSpec
+
+    spec = KernelSpec(head_dim=128, chunk_size=16, block_width=128, gate="lower_bound", target="sm_90")
+    kern = Kernels(spec, {}, device_type="cpu")
+    real, calls = render.chunk_plan_for, []
+    monkeypatch.setattr(render, "chunk_plan_for", lambda s: calls.append(s) or real(s))
+    cpu = torch.device("cpu")
+    for _ in range(3):
+        got = (kern.heuristic_groups(2048, 1, 32, cpu), kern.heuristic_segments(8, 1, 32, cpu))
+    assert calls == [spec]
+    cus, resident = 8, kern.walk_residency(cpu)
+    assert got == (groups_for_spec(spec, 2048, 1, 32, cus, resident=resident[0]),
+                   segments_for_spec(spec, 8, 1, 32, cus, resident=resident[1]))
+    assert len(calls) == 2  # (segments_for_spec's own; groups_for_spec, told the residency, needs none)
+
+
 def test_varlen_zero_length_sequence():
     z = torch.tensor([0, 0], dtype=I32)
     assert prepare_chunk_offsets(z, C).tolist() == [0, 0]
