@@ -243,7 +243,6 @@ class ChunkPlan:
     pass_one_width: int = 0  # pass one's state rows per block (pass_one_width); 0: the block width
     pass_one_wg_vnew: bool = False  # with wg_update, pass one's v_new products per warpgroup (PASS_ONE_WG_VNEW)
     pass_one_lds_blocks: int = 8  # pass-one blocks whose LDS one compute unit holds
-    pass_one_skew: bool = False  # with wg_update, pass one's second warpgroup a half step late (PASS_ONE_SKEW)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -303,17 +302,6 @@ CHUNK_WG_UPDATE_OUTPUTS = False
 # rounds: 0.442 -> 0.533-0.539 ms; at 1x131072x8 0.544 -> 0.605; with 64-row blocks too
 # 0.627 / 0.687). Kept, checked by the CPU emulation.
 PASS_ONE_WG_VNEW = False
-
-# With the state update per warpgroup (CHUNK_WG_UPDATE) and pass-one blocks of two
-# warpgroups: the second warpgroup runs each chunk's decay and state update one chunk late,
-# at the start of the next chunk's step, before that chunk's v_new products. The two
-# warpgroups' waves share each scheduler (one of each), and with this their steps run half
-# out of phase: one issues its v_new products (tensor cores) while the other decays its
-# state and updates it (FMA pipe, then wgmma), where the block barrier kept both in the
-# same phase. The late warpgroup reads the previous chunk's kg and decay tiles, so pass one
-# then takes 4 stages (PASS_ONE_SKEW_STAGES). Untimed.
-PASS_ONE_SKEW = False
-PASS_ONE_SKEW_STAGES = 4
 
 
 def chunk_wg_update(chunk_size: int, warpgroup_mma: bool, wgmma: bool, swizzle: bool) -> bool:
@@ -442,18 +430,13 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         fits = lambda st: footprint(st, True, wg) <= limit
         stages = max(st for st in range(least, max(least, CHUNK_STAGES) + 1) if fits(st))
         one = lambda st: one_bytes(st, True, wg) <= limit
-        # (the late warpgroup of PASS_ONE_SKEW reads a chunk's tiles one step longer)
-        skew = (wgu and PASS_ONE_SKEW and not PASS_ONE_WG_VNEW and pass_one_paired(chunk_size, wave_size)
-                and width_one // 16 == 8 and one(PASS_ONE_SKEW_STAGES))  # (two warpgroups a block)
-        most = max(stages, PASS_ONE_STAGES, PASS_ONE_SKEW_STAGES if skew else 0)
-        one_stages = max(st for st in range(stages, most + 1) if one(st))
+        one_stages = max(st for st in range(stages, max(stages, PASS_ONE_STAGES) + 1) if one(st))
         # pairing and swizzled tiles take the per-wave products (the warpgroup walk has neither)
         return ChunkPlan(stages, True, blocks, wg, one_stages,
                          pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
                          walk_paired(chunk_size, block_width, wave_size, wg), wgu,
                          wgu and CHUNK_WG_UPDATE_OUTPUTS, width_one,
-                         wgu and PASS_ONE_WG_VNEW, lds_blocks(one_stages, True, wg),
-                         skew)
+                         wgu and PASS_ONE_WG_VNEW, lds_blocks(one_stages, True, wg))
     uo = footprint(1, True) <= shared_mem
     return ChunkPlan(1, uo, 1, pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle,
                      pass_one_width=width_one, pass_one_lds_blocks=lds_blocks(1, uo, False))

@@ -79,9 +79,11 @@ def _kernel_line(marker: str) -> Line:
 
 
 def read_listing(path: str | Path, kernel: str) -> dict[int, tuple[Line, str]]:
-    """Offset -> ((file, line), opcode) for the functions whose mangled name holds `kernel`."""
+    """Offset -> ((file, line), opcode) for the functions whose mangled name holds `kernel`.
+    An instruction's marker is one line with the whole chain (older nvdisasm) or a run of
+    lines, one a level, innermost first (CUDA 13's): a run is read as one chain."""
     out: dict[int, tuple[Line, str]] = {}
-    inside, cur, seen = False, ("?", 0), []
+    inside, cur, seen, run = False, ("?", 0), [], []
     with open(path, errors="replace") as f:
         for ln in f:
             if ln.startswith(".text."):
@@ -90,13 +92,15 @@ def read_listing(path: str | Path, kernel: str) -> dict[int, tuple[Line, str]]:
                     seen.append(ln.strip())
                     if len(seen) > 1:
                         raise ValueError(f"{kernel!r} names several functions: {seen}")
-                cur = ("?", 0)
+                cur, run = ("?", 0), []
                 continue
             if not inside:
                 continue
             if "//## File" in ln:
-                cur = _kernel_line(ln)
+                run.append(ln.strip())
                 continue
+            if run:
+                cur, run = _kernel_line(" ".join(run)), []
             m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", ln)
             if m:
                 out[int(m.group(1), 16)] = (cur, m.group(2))

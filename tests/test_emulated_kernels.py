@@ -318,11 +318,9 @@ from kdagen import reference as ref, resources
 from kdagen.emulate import emulated
 from kdagen.render import render
 from kdagen.testing import make_inputs, rel_err
-mode = sys.argv[1]  # off, on; p1: pass one's alone; vnew: pass one's v_new per warpgroup too; vnew64: and its blocks 64 rows;
-# skew: pass one's alone, its second warpgroup's tails a step late
+mode = sys.argv[1]  # off, on; p1: pass one's alone; vnew: pass one's v_new per warpgroup too; vnew64: and its blocks 64 rows
 resources.CHUNK_WG_UPDATE = mode != "off"
-resources.CHUNK_WG_UPDATE_OUTPUTS = mode not in ("p1", "skew")
-resources.PASS_ONE_SKEW = mode == "skew"
+resources.CHUNK_WG_UPDATE_OUTPUTS = mode != "p1"
 resources.PASS_ONE_WG_VNEW = mode.startswith("vnew")
 resources.PASS_ONE_WIDTH = 64 if mode == "vnew64" else 0
 D = int(sys.argv[2])
@@ -330,12 +328,9 @@ kern = emulated(dict(head_dim=D, chunk_size=16, block_width=D, gate="lower_bound
 src = render(kern.spec).files["kernels.hip"]
 assert f"kChunkWgUpdate = {'true' if mode != 'off' else 'false'};" in src
 assert f"kPassOneWgVnew = {'true' if mode.startswith('vnew') else 'false'};" in src
-assert f"kChunkWgUpdateOutputs = {'true' if mode not in ('off', 'p1', 'skew') else 'false'};" in src
-assert f"kPassOneSkew = {'true' if mode == 'skew' and D == 128 else 'false'};" in src
-# (skew: a sequence long enough that pass one refills each stage in its segments)
-lens = [1, 15, 17, 37, 115] + ([333] if mode == "skew" else [])
-x = make_inputs(lens, 2, D, device="cpu", gate="lower_bound", seed=16)
-init = torch.randn(len(lens), 2, D, D, generator=torch.Generator().manual_seed(2)) * 0.1
+assert f"kChunkWgUpdateOutputs = {'true' if mode not in ('off', 'p1') else 'false'};" in src
+x = make_inputs([1, 15, 17, 37, 115], 2, D, device="cpu", gate="lower_bound", seed=16)
+init = torch.randn(5, 2, D, D, generator=torch.Generator().manual_seed(2)) * 0.1
 o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
                                               cu_seqlens=x.cu_seqlens, initial_state=init)
 d = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=True)
@@ -350,29 +345,22 @@ print(*errs)
 
 
 @needs_clang
-@pytest.mark.parametrize("mode,head_dim,late", [("on", 128, True), ("on", 64, True), ("p1", 128, True),
-                                                ("off", 128, True), ("vnew", 128, True), ("vnew", 64, True),
-                                                ("vnew64", 128, True), ("skew", 128, True),
-                                                ("skew", 128, False), ("skew", 64, True)])
-def test_warpgroup_state_update_matches_the_reference(mode, head_dim, late, emulate_cache):
+@pytest.mark.parametrize("mode,head_dim", [("on", 128), ("on", 64), ("p1", 128), ("off", 128),
+                                           ("vnew", 128), ("vnew", 64), ("vnew64", 128)])
+def test_warpgroup_state_update_matches_the_reference(mode, head_dim, emulate_cache):
     """The sm_90 walks at chunk 16 with their state update as warpgroup products
     (resources.CHUNK_WG_UPDATE, on: in every walk, CHUNK_WG_UPDATE_OUTPUTS; p1: in pass
     one alone, the default) and without (off), and with pass one's v_new products
     per warpgroup too (PASS_ONE_WG_VNEW; vnew64: in blocks of 64 rows, PASS_ONE_WIDTH),
-    and with pass one's second warpgroup a step late (PASS_ONE_SKEW: at d64 pass one's
-    blocks are one warpgroup, so it is not taken), in a process of its own, copies landing
-    as late as cp.async allows (late) or at once (a stage refilled while the late
-    warpgroup still reads it then gives it another chunk's tile), workspace poisoned: the
-    single walk, pass one per
+    in a process of its own, copies landing as late as cp.async allows, workspace
+    poisoned: the single walk, pass one per
     group and in segments with its lead, pass two (at d128 / bv128 every walk's blocks are
     whole warpgroups; at d64 / bv64 only pass one's, the paired walks keep the per-wave
     update). The emulation runs each product at the wait that retires it and stops on an
     accumulator changed while its product is in flight; the core-matrix kg tile's copy
     misplaced, or the update left in flight into the next step, fail here."""
-    env = dict(os.environ, KDAGEN_CACHE_DIR=str(emulate_cache), KDAGEN_POISON="1")
-    env.pop("KDAGEN_EMULATE_LATE_COPIES", None)
-    if late:
-        env["KDAGEN_EMULATE_LATE_COPIES"] = "1"
+    env = dict(os.environ, KDAGEN_CACHE_DIR=str(emulate_cache), KDAGEN_EMULATE_LATE_COPIES="1",
+               KDAGEN_POISON="1")
     r = subprocess.run([sys.executable, "-c", WG_UPDATE, str(mode), str(head_dim)], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -302,14 +302,13 @@ from kdagen.jit import device_target
 from kdagen.render import render
 from kdagen.testing import make_inputs, rel_err
 
-width, vnew, skew = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
-resources.PASS_ONE_WIDTH, resources.PASS_ONE_WG_VNEW, resources.PASS_ONE_SKEW = width, vnew, skew
+width, vnew = int(sys.argv[1]), sys.argv[2] == "1"
+resources.PASS_ONE_WIDTH, resources.PASS_ONE_WG_VNEW = width, vnew
 kern = kdagen.load({"target": device_target(), "head_dim": 128, "chunk_size": 16,
                     "gate": "lower_bound"})
 src = render(kern.spec).files["kernels.hip"]
 assert ("struct ConfigPassOne" in src) == bool(width), "ConfigPassOne"
 assert ("kPassOneWgVnew = true;" in src) == (vnew and kern.spec.target == "sm_90"), "kPassOneWgVnew"
-assert ("kPassOneSkew = true;" in src) == (skew and kern.spec.target == "sm_90"), "kPassOneSkew"
 x = make_inputs([16 * 300 + 9, 16 * 41, 7], 2, 128, gate="lower_bound", seed=37)
 d = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens, defer_u=True)
 init = torch.randn(3, 2, 128, 128, device="cuda") * 0.1
@@ -327,11 +326,10 @@ for g, seg in ((4, 0), (8, None), (8, 3)):
 """
 
 
-@pytest.mark.parametrize("width, vnew, skew", [(64, False, False), (0, True, False), (0, False, True)])
-def test_pass_one_switches_match_the_single_walk(width, vnew, skew, record):
-    """Pass one's prepared forms, off by default (docs/NOTES.md, sessions 25 and 30): blocks
-    of 64 rows (resources.PASS_ONE_WIDTH), v_new per warpgroup (PASS_ONE_WG_VNEW, Hopper)
-    and the second warpgroup's tails a step late (PASS_ONE_SKEW, Hopper), in
+@pytest.mark.parametrize("width, vnew", [(64, False), (0, True)])
+def test_pass_one_switches_match_the_single_walk(width, vnew, record):
+    """Pass one's prepared forms, off by default (docs/NOTES.md, session 25): blocks of 64
+    rows (resources.PASS_ONE_WIDTH) and v_new per warpgroup (PASS_ONE_WG_VNEW, Hopper), in
     the shipped chunk-16 lower-bound variant with u formed from v: grouped walks (pass one
     per group and in segments with its lead) against the single walk and the token
     recurrence, outputs and workspace poisoned. In a process of its own: the variant's
@@ -346,13 +344,13 @@ def test_pass_one_switches_match_the_single_walk(width, vnew, skew, record):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, KDAGEN_POISON="1",
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", PASS_ONE_SWITCHES, str(width), str(int(vnew)), str(int(skew))],
+    run = subprocess.run([sys.executable, "-c", PASS_ONE_SWITCHES, str(width), str(int(vnew))],
                          capture_output=True, text=True, env=env, cwd=root, timeout=900)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 3, run.stdout[-2000:]
     for r in rows:
-        record(width=width, vnew=vnew, skew=skew, **r)
+        record(width=width, vnew=vnew, **r)
         assert r["out_vs_single"] < 1e-2 and r["state_vs_single"] < 1e-2, r
         assert r["out_vs_ref"] < BF16_TOL and r["state_vs_ref"] < BF16_TOL, r
 

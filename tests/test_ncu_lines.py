@@ -121,3 +121,26 @@ def test_memory_columns_sum_per_line(tmp_path):
     text = ncu_lines.memory_report(agg, 2, per=4.0).splitlines()
     assert text[0] == "total: inst 4.0 shared 2.0 shared_excess 0.5 l2 16.0 l2_excess 8.0"
     assert text[1].startswith("prologue.h:136") and "shared 2.0" in text[1]
+
+
+def test_a_run_of_marker_lines_is_one_inline_chain(tmp_path):
+    """CUDA 13's nvdisasm writes an instruction's inline chain as a run of marker lines,
+    innermost first, the kernel's own line last: the kernel-header line nearest the
+    instruction counts (before, each line overwrote the last, and every inlined
+    instruction counted for the kernel's call of chunk_walk)."""
+    lst = tmp_path / "l.sass"
+    lst.write_text(
+        ".text._ZN6kdagen12chunk_kernelINS_6ConfigELi3ELb1EEEvNS_9ChunkArgsE:\n"
+        '\t//## File "/x/include/kdagen/vendor_cuda.h", line 339 inlined at "/x/include/kdagen/chunk.h", line 812\n'
+        '\t//## File "/x/include/kdagen/chunk.h", line 812 inlined at "/x/include/kdagen/chunk.h", line 982\n'
+        '\t//## File "/x/include/kdagen/chunk.h", line 982\n'
+        "        /*0000*/                   F2FP.BF16.F32.PACK_AB R96, R73, R72 ;\n"
+        '\t//## File "/x/include/kdagen/chunk.h", line 894 inlined at "/x/include/kdagen/chunk.h", line 982\n'
+        '\t//## File "/x/include/kdagen/chunk.h", line 982\n'
+        "        /*0010*/                   UMOV UR15, 0x10 ;\n"
+        "        /*0020*/                   NOP ;\n"
+        '\t//## File "/x/include/kdagen/chunk.h", line 982\n'
+        "        /*0030*/                   EXIT ;\n")
+    got = ncu_lines.read_listing(lst, "chunk_kernel")
+    assert [got[o][0] for o in (0x0, 0x10, 0x20, 0x30)] == [("chunk.h", 812), ("chunk.h", 894),
+                                                            ("chunk.h", 894), ("chunk.h", 982)]

@@ -152,7 +152,6 @@ def test_default_constexprs():
         "kChunkWgUpdate": "false",  # resources.chunk_wg_update: on (v26), at chunk 16 only
         "kChunkWgUpdateOutputs": "false",  # resources.CHUNK_WG_UPDATE_OUTPUTS: pass one alone (session 27)
         "kPassOneWgVnew": "false",  # resources.PASS_ONE_WG_VNEW: timed slower (session 27)
-        "kPassOneSkew": "false",  # resources.PASS_ONE_SKEW: untimed
         "kPad16": str(resources.PAD_16BIT),
         "kPadFp32": str(resources.PAD_FP32),
         "kRecurrentRows": str(resources.RECURRENT_ROWS_PER_BLOCK),

@@ -254,14 +254,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // Cfg::kPassOneWgVnew: pass one's v_new^T = (-S^T) w^T per warpgroup too (m64 x C x 16 per
   // k-slice, -S^T from registers, the w tile K-major in core matrices), beside that update.
   constexpr bool kWgV = kWgU && kPassOne && Cfg::kPassOneWgVnew;
-  // Cfg::kPassOneSkew: pass one's second warpgroup (waves 4..7) runs each chunk's tail - the
-  // decay and the state update - one chunk late, at the start of the next chunk's step
-  // before that chunk's v_new products; the first warpgroup runs head and tail in order.
-  // Each scheduler holds one wave of each, so one's v_new products (tensor cores) meet the
-  // other's decay (FMA pipe) and update, where the block barrier kept both in one phase.
-  // The late tail reads the previous chunk's kg and decay tiles: one stage more (LAG).
-  constexpr bool kSkew = Cfg::kPassOneSkew && kPassOne && kWgU && !kWgV;
-  static_assert(!kSkew || NT / kWaveSize == 8, "the skewed pass one takes blocks of two warpgroups");
   constexpr bool kPaired = kPairedWalk<Cfg, kMode> && !kLead;
   constexpr bool kTwo = kPaired || kPairV;  // a second tile, S1
   constexpr int RW = kPairV ? 32 : 16;      // state rows per wave
@@ -481,50 +473,8 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
   // With warpgroup products the state update of chunk c is still in flight at chunk c + 1's
   // barrier (it is waited for after it): the refill then takes the stage of chunk c - 2,
   // not c - 1, so AHEAD = kStages - 1 - LAG chunks load ahead.
-  constexpr int SG = Lay::kStages, LAG = (kWg || kSkew) ? 1 : 0, AHEAD = SG - 1 - LAG;
+  constexpr int SG = Lay::kStages, LAG = kWg ? 1 : 0, AHEAD = SG - 1 - LAG;
   static_assert(SG == 1 || AHEAD >= 1, "the warpgroup walk takes three stages or more");
-  static_assert(!kSkew || AHEAD >= 2, "the skewed pass one takes four stages or more");
-  // kSkew: the late warpgroup's v_new^T of the chunk whose tail is pending, and its tiles
-  const bool late = kSkew && wave >= 4;
-  bool pending = false;
-  mma::Acc lvn[kSkew ? CT : 1], lvn1[kSkew && kTwo ? CT : 1];
-  const float* late_ds = nullptr;
-  const uint16_t* late_kg = nullptr;
-  // A chunk's tail: -S^T = (-S^T) Diag(decay) - v_new^T kg, the products per warpgroup,
-  // retired here.
-  auto skew_tail = [&](mma::Acc (&vn)[kSkew ? CT : 1], mma::Acc (&vn1)[kSkew && kTwo ? CT : 1],
-                       const float* ds, const uint16_t* kg) {
-    if constexpr (kSkew) {
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        mma::for_each(S[kt], [&](int, int k, float& x) { x *= ds[16 * kt + k]; });
-        if constexpr (kTwo) mma::for_each(S1[kTwo ? kt : 0], [&](int, int k, float& x) { x *= ds[16 * kt + k]; });
-      }
-      mma::Frag va[CT], va1[kTwo ? CT : 1];
-#pragma unroll
-      for (int ct = 0; ct < CT; ++ct) {
-        va[ct] = mma::to_a<Io>(vn[ct]);
-        wg::fence_operands(va[ct]);
-        if constexpr (kTwo) {
-          va1[kTwo ? ct : 0] = mma::to_a<Io>(vn1[kTwo ? ct : 0]);
-          wg::fence_operands(va1[kTwo ? ct : 0]);
-        }
-      }
-      wg::fence_operands(S);
-      if constexpr (kTwo) wg::fence_operands(S1);
-      wg::fence();
-#pragma unroll
-      for (int ct = 0; ct < CT; ++ct) {
-        wg::mma<D, Io, true>(S, va[ct], wg::desc(kg, C, ct));
-        if constexpr (kTwo) wg::mma<D, Io, true>(S1, va1[kTwo ? ct : 0], wg::desc(kg, C, ct));
-      }
-      wg::commit();
-      wg::wait<0>();
-      wg::fence_operands(S);
-      if constexpr (kTwo) wg::fence_operands(S1);
-    }
-  };
-
   if constexpr (SG > 1) {
 #pragma unroll
     for (int p = 0; p < AHEAD; ++p) {
@@ -679,40 +629,7 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
       }
     };
 
-    if constexpr (kSkew) {
-      // The head, v_new^T of chunk c (the late warpgroup first retires chunk c - 1's tail),
-      // then its tail, or (late) the tail left for the next step.
-      if (late && pending) skew_tail(lvn, lvn1, late_ds, late_kg);
-#pragma unroll
-      for (int ct = 0; ct < (kPaired ? CT : 0); ++ct) mma::zero(vn1[ct]);
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        const mma::Frag s = mma::to_a<Io>(S[kt]);  // -S^T
-        [[maybe_unused]] const mma::Frag s1 = kTwo ? mma::to_a<Io>(S1[kTwo ? kt : 0]) : s;
-#pragma unroll
-        for (int ct = 0; ct < CT; ++ct) {
-          const mma::Frag wb = mma::load_b_smem_at(WBlock{Ws, 16 * ct, 16 * kt});
-          mma::mma<Io>(vn[ct], s, wb);
-          if constexpr (kTwo) mma::mma<Io>(vn1[kTwo ? ct : 0], s1, wb);
-        }
-      }
-#pragma unroll
-      for (int ct = 0; ct < CT; ++ct) {
-        if constexpr (kApart) mma::add(vn[ct], ua[ct]);
-      }
-      if (late) {
-#pragma unroll
-        for (int ct = 0; ct < CT; ++ct) {
-          lvn[ct] = vn[ct];
-          if constexpr (kTwo) lvn1[ct] = vn1[ct];
-        }
-        pending = true;
-        late_ds = Ds;
-        late_kg = KGs;
-      } else {
-        skew_tail(vn, vn1, Ds, KGs);
-      }
-    } else if constexpr (kWg) {
+    if constexpr (kWg) {
       // The warpgroup's products: -S^T times the w and qg tiles as one operand of 2 C rows
       // (the qg tile follows the w tile in LDS: v_new^T and -S^T qg^T from one product),
       // KH k-slices per group (their bf16 -S^T stays in registers while in flight: KH =
@@ -934,10 +851,6 @@ __device__ __forceinline__ void chunk_walk(const ChunkArgs& a) {
         }
       }
     }
-  }
-  if constexpr (kSkew) {  // the late warpgroup's last tail, before B and R are stored
-    if (pending) skew_tail(lvn, lvn1, late_ds, late_kg);
-    pending = false;
   }
   if (!kSegments || c >= c1) break;
   store_point(next_start - 1);  // pass one: B and R at a group start inside the segment
