@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from .resources import ChunkPlan
+    from .spec import KernelSpec
 
 MAX_GROUPS = 32
 MIN_CHUNKS_PER_GROUP = 8
@@ -63,13 +67,13 @@ def chunk_groups(
     return cand if cand >= 4 else 1
 
 
-def _plan(spec, plan):
+def _plan(spec: KernelSpec, plan: ChunkPlan | None) -> ChunkPlan:
     from .render import chunk_plan_for
 
     return plan if plan is not None else chunk_plan_for(spec)
 
 
-def planned_residency(spec, plan=None) -> tuple[int, int]:
+def planned_residency(spec: KernelSpec, plan: ChunkPlan | None = None) -> tuple[int, int]:
     """Walk blocks one compute unit holds as the chunk plan of ``spec`` (a KernelSpec)
     intends them: (the walks with outputs, pass one), from the launch bound and the LDS
     alone. ``Kernels.walk_residency`` has the device's own, as compiled. ``plan``: the
@@ -78,8 +82,8 @@ def planned_residency(spec, plan=None) -> tuple[int, int]:
     return plan.min_blocks, plan.pass_one_resident(spec.block_width)
 
 
-def segments_for_spec(spec, groups: int, num_seqs: int, num_heads: int, num_cus: int,
-                      resident: int | None = None, plan=None) -> int:
+def segments_for_spec(spec: KernelSpec, groups: int, num_seqs: int, num_heads: int, num_cus: int,
+                      resident: int | None = None, plan: ChunkPlan | None = None) -> int:
     """``pass_one_segments`` for the chunk scan of ``spec`` (a KernelSpec); ``resident``:
     pass-one blocks per compute unit (default: the plan's); ``plan`` as in
     ``planned_residency``."""
@@ -92,8 +96,8 @@ def segments_for_spec(spec, groups: int, num_seqs: int, num_heads: int, num_cus:
                              resident=resident or plan.pass_one_resident(spec.block_width))
 
 
-def groups_for_spec(spec, chunks_per_seq: int, num_seqs: int, num_heads: int, num_cus: int,
-                    resident: int | None = None, plan=None) -> int:
+def groups_for_spec(spec: KernelSpec, chunks_per_seq: int, num_seqs: int, num_heads: int, num_cus: int,
+                    resident: int | None = None, plan: ChunkPlan | None = None) -> int:
     """``chunk_groups`` for the chunk scan of ``spec`` (a KernelSpec): its blocks per pass
     from the block width; ``resident``: walk blocks per compute unit (default: the
     launch bound of its chunk plan); ``plan`` as in ``planned_residency``."""

@@ -18,7 +18,7 @@ import torch
 
 from . import checks as ck
 from . import autotune
-from . import seqlens
+from . import resources, seqlens
 from .groups import (cuda_index, group_workspace, groups_for_spec, num_compute_units,
                      planned_residency, segments_for_spec)
 from .spec import KernelSpec
@@ -110,7 +110,7 @@ class Kernels:
         return a.reshape(-1).float().contiguous(), b
 
     @functools.cached_property
-    def chunk_plan(self):
+    def chunk_plan(self) -> resources.ChunkPlan:
         """The variant's chunk plan (``render.chunk_plan_for``), worked out once, at its first
         use, and kept: the group and segment heuristics read it on every call (working it
         out took ~9 us a grouped call). The kernels were compiled under the same resource
