@@ -137,7 +137,7 @@ def main() -> None:
     spec_blocks = int(re.search(r"kPrologueMinBlocks = (\d+)", render(spec).files[KERNEL_SOURCE])[1])
     print(f"| launch | blocks per SM | ms | us per (chunk, head) per block | SM-us per (chunk, head) | bitwise equal |")
     print("|---|---|---|---|---|---|")
-    print(f"| prologue_kernel | {spec_blocks} (launch bound) | {base:.3f} | {per * 8:.2f} | {per:.3f} | - |")
+    print(f"| prologue_kernel | {spec_blocks} (launch bound) | {base:.3f} | {per * spec_blocks:.2f} | {per:.3f} | - |")
     for loop, r in [(loop, r) for loop in (0, 1) for r in residents]:
         lib.producer_probe_set(r, loop)
         ms = time_ms(functools.partial(call, probed), 3, 10)
