@@ -11,33 +11,44 @@
 # NAME@TREE:... takes kdagen/, templates/ and scripts/ from TREE instead of this checkout
 # (an older commit: `git worktree add` or `git archive` it under build/ and carry it), so
 # a code change can be timed against its parent in the same call; ':' alone sets nothing.
+# NAME+PATCH:... (after any @TREE) applies PATCH (a `git diff`, e.g. one of docs/wip/; its
+# changes outside those three folders are left out) to the variant's copy, so a kept patch
+# is timed against this checkout without preparing a tree:
+#   base: p+docs/wip/prologue-early-loads.patch:
 # Prints one line per variant and shape; the constants must exist in resources.py.
 # KDAGEN_GROUPS (a chunk-group count for every shape) reaches profile_breakdown.py.
+# KDAGEN_AB_DRY=1 prepares the variants' copies (constants set, patches applied) in
+# KDAGEN_AB_ROOT (default /tmp/kdagen-ab) and stops: a call's arguments checked on the CPU
+# before any device time is spent.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/carried_wheels.sh
 source scripts/set_constants.sh
 export PYTHONUNBUFFERED=1
 read -r shapes gate chunk width <<< "$1"; shift
-root=/tmp/kdagen-ab
+root=${KDAGEN_AB_ROOT:-/tmp/kdagen-ab}
 # KDAGEN_AB_KEEP=1 keeps the variants built by an earlier invocation of this call (another
 # KDAGEN_GROUPS, other shapes): their build caches are then hits.
 [ -n "${KDAGEN_AB_KEEP:-}" ] || rm -rf "$root"
 mkdir -p "$root"
 for v in "$@"; do
-  name=${v%%:*}; sets=${v#*:}; tree=.
+  name=${v%%:*}; sets=${v#*:}; tree=.; patch=
+  if [[ $name == *+* ]]; then patch=$(realpath "${name#*+}"); name=${name%%+*}; fi
   if [[ $name == *@* ]]; then tree=${name#*@}; name=${name%%@*}; fi
   d=$root/$name
   mkdir -p "$d"; cp -r "$tree/kdagen" "$tree/templates" "$tree/scripts" "$d/" || exit 2
+  if [ -n "$patch" ]; then (cd "$d" && git apply --include='kdagen/*' --include='templates/*' --include='scripts/*' "$patch") || { echo "patch $patch does not apply to $name"; exit 2; }; fi
   set_constants "$d/kdagen/resources.py" ${sets//,/ } || exit 2
+  [ -n "${KDAGEN_AB_DRY:-}" ] && { echo "$name: prepared in $d"; continue; }
   (cd "$d" && KDAGEN_CACHE_DIR="$d/cache" PYTHONPATH="$d:$PYTHONPATH" python3 -c "
 import kdagen
 kdagen.load(dict(target='sm_90', head_dim=128, chunk_size=$chunk, block_width=$width, gate='$gate'))
 " > "$d/build.log" 2>&1 || echo "build of $name failed: $(tail -n 3 "$d/build.log")") &
 done
 wait
+[ -n "${KDAGEN_AB_DRY:-}" ] && exit 0
 for v in "$@"; do
-  name=${v%%:*}; name=${name%%@*}; d=$root/$name
+  name=${v%%:*}; name=${name%%+*}; name=${name%%@*}; d=$root/$name
   (cd "$d" && KDAGEN_CACHE_DIR="$d/cache" PYTHONPATH="$d:$PYTHONPATH" timeout 120 \
     python3 scripts/profile_breakdown.py "$shapes" "$gate" "$chunk" "$width" 2>&1 \
     | grep "^kda_" | sed "s/^/$name /; s/, at::native.*//")
