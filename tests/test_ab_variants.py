@@ -5,6 +5,7 @@ before any device time is spent."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,16 +30,23 @@ def _patch_of_prologue(tmp_path: Path) -> Path:
 
 def test_variants_take_constants_trees_and_patches(tmp_path):
     patch = _patch_of_prologue(tmp_path)
-    r = _ab(tmp_path, "base:", "st3:CHUNK_STAGES=3", f"p+{patch}:CHUNK_STAGES=3")
+    tree = tmp_path / "tree"  # another tree: this checkout's folders, its prologue marked
+    for folder in ("kdagen", "templates", "scripts"):
+        shutil.copytree(ROOT / folder, tree / folder)
+    (tree / PROLOGUE).write_text("// ab-variants-test-marker\n" + (ROOT / PROLOGUE).read_text())
+    r = _ab(tmp_path, "base:", "st3:CHUNK_STAGES=3", f"p+{patch}:CHUNK_STAGES=3", f"t@{tree}:")
     assert r.returncode == 0, r.stdout + r.stderr
     ab = tmp_path / "ab"
-    assert sorted(p.name for p in ab.iterdir()) == ["base", "p", "st3"]
-    for name, stages in (("base", None), ("st3", "3"), ("p", "3")):
+    assert sorted(p.name for p in ab.iterdir()) == ["base", "p", "st3", "t"]
+    resources = (ROOT / "kdagen/resources.py").read_text()
+    for name, stages in (("base", None), ("st3", "3"), ("p", "3"), ("t", None)):
         res = (ab / name / "kdagen/resources.py").read_text()
         if stages:
             assert f"\nCHUNK_STAGES = {stages}\n" in res
+        else:
+            assert res == resources, name
         marked = "ab-variants-test-marker" in (ab / name / PROLOGUE).read_text()
-        assert marked == (name == "p"), name
+        assert marked == (name in ("p", "t")), name
     assert (ab / "base" / PROLOGUE).read_text() == (ROOT / PROLOGUE).read_text()
 
 
