@@ -11,10 +11,11 @@
 # NAME@TREE:... takes kdagen/, templates/ and scripts/ from TREE instead of this checkout
 # (an older commit: `git worktree add` or `git archive` it under build/ and carry it), so
 # a code change can be timed against its parent in the same call; ':' alone sets nothing.
-# NAME+PATCH:... (after any @TREE) applies PATCH (a `git diff`, e.g. one of docs/wip/; its
-# changes outside those three folders are left out) to the variant's copy, so a kept patch
-# is timed against this checkout without preparing a tree:
-#   base: p+docs/wip/prologue-early-loads.patch:
+# NAME+PATCH[+PATCH2...]:... (after any @TREE) applies each PATCH in turn (a `git diff`,
+# e.g. one of docs/wip/; its changes outside those three folders are left out) to the
+# variant's copy, so kept patches are timed against this checkout, alone and stacked,
+# without preparing a tree:
+#   base: p+docs/wip/prologue-early-loads.patch: pq+docs/wip/prologue-early-loads.patch+docs/wip/q.patch:
 # Prints one line per variant and shape; the constants must exist in resources.py.
 # KDAGEN_GROUPS (a chunk-group count for every shape) reaches profile_breakdown.py.
 # KDAGEN_AB_DRY=1 prepares the variants' copies (constants set, patches applied) in
@@ -32,12 +33,16 @@ root=${KDAGEN_AB_ROOT:-/tmp/kdagen-ab}
 [ -n "${KDAGEN_AB_KEEP:-}" ] || rm -rf "$root"
 mkdir -p "$root"
 for v in "$@"; do
-  name=${v%%:*}; sets=${v#*:}; tree=.; patch=
-  if [[ $name == *+* ]]; then patch=$(realpath "${name#*+}"); name=${name%%+*}; fi
+  name=${v%%:*}; sets=${v#*:}; tree=.; patches=()
+  if [[ $name == *+* ]]; then IFS=+ read -r -a patches <<< "${name#*+}"; name=${name%%+*}; fi
   if [[ $name == *@* ]]; then tree=${name#*@}; name=${name%%@*}; fi
   d=$root/$name
   mkdir -p "$d"; cp -r "$tree/kdagen" "$tree/templates" "$tree/scripts" "$d/" || exit 2
-  if [ -n "$patch" ]; then (cd "$d" && git apply --include='kdagen/*' --include='templates/*' --include='scripts/*' "$patch") || { echo "patch $patch does not apply to $name"; exit 2; }; fi
+  for patch in "${patches[@]}"; do  # in the order given, each on the last
+    patch=$(realpath "$patch")
+    (cd "$d" && git apply --include='kdagen/*' --include='templates/*' --include='scripts/*' "$patch") \
+      || { echo "patch $patch does not apply to $name"; exit 2; }
+  done
   set_constants "$d/kdagen/resources.py" ${sets//,/ } || exit 2
   [ -n "${KDAGEN_AB_DRY:-}" ] && { echo "$name: prepared in $d"; continue; }
   (cd "$d" && KDAGEN_CACHE_DIR="$d/cache" PYTHONPATH="$d:$PYTHONPATH" python3 -c "

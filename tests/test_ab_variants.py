@@ -1,6 +1,6 @@
 """scripts/ab_variants.sh prepares its variants as asked (checked with KDAGEN_AB_DRY, which
-stops before the builds): constants set, trees and patches taken, a bad argument refused
-before any device time is spent."""
+stops before the builds): constants set, trees taken, patches applied in turn, a bad
+argument refused before any device time is spent."""
 
 from __future__ import annotations
 
@@ -48,6 +48,20 @@ def test_variants_take_constants_trees_and_patches(tmp_path):
         marked = "ab-variants-test-marker" in (ab / name / PROLOGUE).read_text()
         assert marked == (name in ("p", "t")), name
     assert (ab / "base" / PROLOGUE).read_text() == (ROOT / PROLOGUE).read_text()
+
+
+def test_patches_stack_in_the_order_given(tmp_path):
+    first = _patch_of_prologue(tmp_path)
+    second = tmp_path / "second.patch"  # its context is the first patch's marker
+    first_line = (ROOT / PROLOGUE).read_text().splitlines(keepends=True)[0]
+    second.write_text(f"--- a/{PROLOGUE}\n+++ b/{PROLOGUE}\n@@ -1,2 +1,3 @@\n"
+                      f" // ab-variants-test-marker\n+// second-marker\n {first_line}")
+    r = _ab(tmp_path, f"pq+{first}+{second}:")
+    assert r.returncode == 0, r.stdout + r.stderr
+    head = (tmp_path / "ab/pq" / PROLOGUE).read_text().splitlines()[:2]
+    assert head == ["// ab-variants-test-marker", "// second-marker"]
+    r = _ab(tmp_path, f"qp+{second}+{first}:")  # the second alone does not apply
+    assert r.returncode == 2 and "does not apply to qp" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_patch_that_does_not_apply_is_refused(tmp_path):
