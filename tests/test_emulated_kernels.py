@@ -563,6 +563,33 @@ def test_chunk_16_diagonal_block_both_ways(target, monkeypatch):
     check_prologue_and_single_walk(kern, x, C)
 
 
+@needs_clang
+@pytest.mark.parametrize("stagger_us", [20000, -20000])
+def test_prologue_with_waves_leaving_barriers_far_apart(stagger_us, monkeypatch):
+    """The chunk-16 d128 prologue (one cumsum run per column; wave 0 alone checks every
+    column's diagonal span) with its waves leaving each barrier 20 ms apart, first to last
+    and last to first (KDAGEN_EMULATE_STAGGER_US), so that a wave runs its whole phase
+    before the next starts: a barrier missing between a write and another wave's read
+    then reads stale data, which free-running threads rarely do. The gate is strong in
+    every other chunk (the exact per-pair path) and faint in the rest (the matrix units),
+    and faint everywhere in channels 0-31, whose cumulative sums wave 0 makes itself, so
+    that its span check depends on the other waves' sums; every output against the
+    reference, outputs poisoned."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    C, D = 16, 128
+    kern = emulated(head_dim=D, chunk_size=C, target="sm_90")
+    x = make_inputs([C + 1, 3 * C], 1, D, device="cpu", strong_decay=True, seed=31)
+    faint_gate_where(x, lambda i: (i // C) % 2 == 1)
+    x.g[0, :, :, :32] = -6.0 - x.dt_bias.view(1, D)[:, :32]  # wave 0's own channels faint
+    monkeypatch.setenv("KDAGEN_EMULATE_STAGGER_US", str(stagger_us))
+    got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
+    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
+                                        cu_seqlens=x.cu_seqlens, chunk_size=C)
+    for name in OPS:
+        err = rel_err(got[name], want[name].to(got[name].dtype))
+        assert err < PROLOGUE_TOL[name], f"{name}: rel err {err:.3e}"
+
+
 def paged_walk(kern, x, p, slots, idx, has, offs, groups):
     """The chunk scan of prologue outputs ``p`` on a paged cache of ``slots`` random rows
     (sequence n at row idx[n], started from it where has[n]) with a checkpoint after

@@ -17,6 +17,10 @@
 //   dynamic shared memory    one buffer per block, filled with NaN bytes before it starts
 //                            (a read of anything the block did not write shows up)
 //   wgmma                    products run at the wait that retires them (see WgOp)
+//   barrier stagger          KDAGEN_EMULATE_STAGGER_US=n (read per launch): after every
+//                            block barrier wave w waits w n microseconds (n < 0: the
+//                            last wave leaves first), so one wave runs its whole phase
+//                            before the next starts and a missing barrier reads stale data
 //   cp.async                 KDAGEN_EMULATE_LATE_COPIES=1 holds each copy back until the
 //                            latest wait_group that must have landed it (a miscounted
 //                            group then reads stale or NaN data)
@@ -30,6 +34,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -111,7 +116,19 @@ inline Block block;
 inline Wave& my_wave() { return *block.waves[threadIdx.x / kWave]; }
 inline int my_lane() { return static_cast<int>(threadIdx.x % kWave); }
 inline unsigned char* smem() { return block.smem; }
-inline void syncthreads() { block.bar->arrive_and_wait(); }
+// KDAGEN_EMULATE_STAGGER_US of the running launch (0: threads leave barriers at once)
+inline int stagger_us = 0;
+// After a block barrier: wave w waits w n microseconds (n > 0), or (waves - 1 - w) |n|.
+inline void stagger() {
+  if (stagger_us == 0) return;
+  const int w = static_cast<int>(threadIdx.x) / kWave, nw = static_cast<int>(block.waves.size());
+  const int steps = stagger_us > 0 ? w : nw - 1 - w;
+  std::this_thread::sleep_for(std::chrono::microseconds(static_cast<long>(steps) * std::abs(stagger_us)));
+}
+inline void syncthreads() {
+  block.bar->arrive_and_wait();
+  stagger();
+}
 inline void wave_barrier() { my_wave().bar->arrive_and_wait(); }
 // bar.sync id, count: the first thread to arrive makes the barrier; every later use of the
 // id in the block must name the same count.
@@ -130,6 +147,7 @@ inline void named_barrier(int id, int count) {
     bar = block.named[id].get();
   }
   bar->arrive_and_wait();
+  stagger();
 }
 // 2^x with results below 2^-126 flushed to zero (the hardware forms of exp2_fast)
 inline float exp2_ftz(float x) {
@@ -218,6 +236,8 @@ inline std::vector<dim3> launched_grids;
 // Run a grid: blocks one after another (block_order), the threads of each block at once.
 inline void launch(dim3 grid, dim3 blk, size_t shmem, const std::function<void()>& body) {
   launched_grids.push_back(grid);
+  const char* st = std::getenv("KDAGEN_EMULATE_STAGGER_US");
+  stagger_us = st != nullptr ? std::atoi(st) : 0;
   const int nt = static_cast<int>(blk.x * blk.y * blk.z);
   std::vector<unsigned char> buf(shmem + 64);
   unsigned char* base = reinterpret_cast<unsigned char*>(
