@@ -32,11 +32,12 @@ root=${KDAGEN_AB_ROOT:-/tmp/kdagen-ab}
 # KDAGEN_GROUPS, other shapes): their build caches are then hits.
 [ -n "${KDAGEN_AB_KEEP:-}" ] || rm -rf "$root"
 mkdir -p "$root"
+names=()
 for v in "$@"; do
   name=${v%%:*}; sets=${v#*:}; tree=.; patches=()
   if [[ $name == *+* ]]; then IFS=+ read -r -a patches <<< "${name#*+}"; name=${name%%+*}; fi
   if [[ $name == *@* ]]; then tree=${name#*@}; name=${name%%@*}; fi
-  d=$root/$name
+  d=$root/$name; names+=("$name")
   mkdir -p "$d"; cp -r "$tree/kdagen" "$tree/templates" "$tree/scripts" "$d/" || exit 2
   for patch in "${patches[@]}"; do  # in the order given, each on the last
     patch=$(realpath "$patch")
@@ -52,8 +53,8 @@ kdagen.load(dict(target='sm_90', head_dim=128, chunk_size=$chunk, block_width=$w
 done
 wait
 [ -n "${KDAGEN_AB_DRY:-}" ] && exit 0
-for v in "$@"; do
-  name=${v%%:*}; name=${name%%+*}; name=${name%%@*}; d=$root/$name
+for name in "${names[@]}"; do
+  d=$root/$name
   (cd "$d" && KDAGEN_CACHE_DIR="$d/cache" PYTHONPATH="$d:$PYTHONPATH" timeout 120 \
     python3 scripts/profile_breakdown.py "$shapes" "$gate" "$chunk" "$width" 2>&1 \
     | grep "^kda_" | sed "s/^/$name /; s/, at::native.*//")

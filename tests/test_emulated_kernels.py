@@ -518,15 +518,21 @@ def faint_gate_where(x, faint) -> None:
                 x.g[0, t] = -6.0 - x.dt_bias.view(H, D)
 
 
-def check_prologue_and_single_walk(kern, x, C: int) -> None:
-    """Every prologue output against the reference, then the single walk's output and
-    final state against the token recurrence."""
+def check_prologue(kern, x, C: int) -> dict:
+    """Every prologue output against the reference; returns the outputs."""
     got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
     want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
                                         cu_seqlens=x.cu_seqlens, chunk_size=C)
     for name in OPS:
         err = rel_err(got[name], want[name].to(got[name].dtype))
         assert err < PROLOGUE_TOL[name], f"{name}: rel err {err:.3e}"
+    return got
+
+
+def check_prologue_and_single_walk(kern, x, C: int) -> None:
+    """Every prologue output against the reference, then the single walk's output and
+    final state against the token recurrence."""
+    got = check_prologue(kern, x, C)
     o, s = kern.fused_kda_chunk(*(got[k] for k in OPS), torch.empty_like(got["u"]), None,
                                 x.cu_seqlens, None, True, groups=1)
     o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
@@ -582,12 +588,7 @@ def test_prologue_with_waves_leaving_barriers_far_apart(stagger_us, monkeypatch)
     faint_gate_where(x, lambda i: (i // C) % 2 == 1)
     x.g[0, :, :, :32] = -6.0 - x.dt_bias.view(1, D)[:, :32]  # wave 0's own channels faint
     monkeypatch.setenv("KDAGEN_EMULATE_STAGGER_US", str(stagger_us))
-    got = kern.fused_kda_prologue(*x.args(), None, x.lower_bound, x.cu_seqlens)
-    want = ref.chunk_prologue_reference(*x.args(), lower_bound=x.lower_bound,
-                                        cu_seqlens=x.cu_seqlens, chunk_size=C)
-    for name in OPS:
-        err = rel_err(got[name], want[name].to(got[name].dtype))
-        assert err < PROLOGUE_TOL[name], f"{name}: rel err {err:.3e}"
+    check_prologue(kern, x, C)
 
 
 def paged_walk(kern, x, p, slots, idx, has, offs, groups):
