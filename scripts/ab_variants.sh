@@ -15,7 +15,7 @@
 # e.g. one of docs/wip/; its changes outside those three folders are left out) to the
 # variant's copy, so kept patches are timed against this checkout, alone and stacked,
 # without preparing a tree:
-#   base: p+docs/wip/prologue-early-loads.patch: pq+docs/wip/prologue-early-loads.patch+docs/wip/q.patch:
+#   base: p+docs/wip/a.patch: pq+docs/wip/a.patch+docs/wip/b.patch:
 # Prints one line per variant and shape; the constants must exist in resources.py.
 # KDAGEN_GROUPS (a chunk-group count for every shape) reaches profile_breakdown.py.
 # KDAGEN_AB_DRY=1 prepares the variants' copies (constants set, patches applied) in

@@ -166,17 +166,25 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   if (chunk >= a.num_chunks) return;
   const int tid = static_cast<int>(threadIdx.x) - kFirstThread, lane = lane_id();
   const int wave = wave_id() - kFirstThread / kWaveSize;
-  const int n = a.chunk_indices[2 * chunk], lc = a.chunk_indices[2 * chunk + 1];
-  const int bos = a.cu_seqlens[n], eos = a.cu_seqlens[n + 1];
-  const int t0 = bos + lc * C;
-  const int valid = min(C, eos - t0);
-  const int last = valid - 1;
   // A thread's 16-byte pieces of a [C][D] plane of 16-bit values: columns c8 .. c8 + 7 of
   // rows r8 + m RSTEP8, m < ITERS8 (whole rows per pass); block8(m) is that row's 16-row block.
   constexpr int PIECES8 = D / 8, RSTEP8 = NT / PIECES8, ITERS8 = C / RSTEP8;
   static_assert(NT % PIECES8 == 0 && C % RSTEP8 == 0, "whole rows per pass");
   const int r8 = static_cast<int>(static_cast<unsigned>(tid) / PIECES8);
   const int c8 = static_cast<int>(static_cast<unsigned>(tid) % PIECES8) * 8;
+  // The gate's per-head constants need neither the chunk's sequence nor its rows: loaded
+  // first, their latency under the index chain below (chunk -> sequence -> first token).
+  const float a_log_h = a.a_log[h];
+  const float4 bias_lo = *reinterpret_cast<const float4*>(a.dt_bias + h * D + c8);
+  const float4 bias_hi = *reinterpret_cast<const float4*>(a.dt_bias + h * D + c8 + 4);
+  const int n = a.chunk_indices[2 * chunk], lc = a.chunk_indices[2 * chunk + 1];
+  const int bos = a.cu_seqlens[n], eos = a.cu_seqlens[n + 1];
+  const int t0 = bos + lc * C;
+  const int valid = min(C, eos - t0);
+  const int last = valid - 1;
+  float* const decay_out = a.decay + (static_cast<int64_t>(chunk) * H + h) * D;  // [chunks][H][D]
+  // threads per column of the gate's cumulative sum (each sums a run of rows)
+  constexpr int kCumsumRuns = NT >= D ? NT / D : 1;
   auto block8 = [&](int m) { return (m * RSTEP8) / 16 + (RSTEP8 > 16 ? r8 / 16 : 0); };
 
   // ---- inputs: raw rows, or the causal depthwise conv + SiLU of them ------------------
@@ -292,18 +300,19 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   stage(Ks, 1, Async{});
   if constexpr (Cfg::kStageQ) stage(Qs, 0, Async{});
   async::commit();
+  // beta: a thread per row, loaded here and used after the gate's loads are out (its
+  // sigmoid at once would hold wave 0 a memory round trip before them).
   static_assert(C <= NT, "a thread per row of beta");
-  if (tid < C)
-    bt[tid] = tid < valid ? sigmoid(to_float<Io>(static_cast<const T*>(a.beta.ptr)[
-                                static_cast<int64_t>(t0 + tid) * a.beta.token +
-                                static_cast<int64_t>(h) * a.beta.head]))
-                          : 0.0f;
+  T beta_raw = from_float<Io>(0.0f);
+  if (tid < valid)
+    beta_raw = static_cast<const T*>(a.beta.ptr)[static_cast<int64_t>(t0 + tid) * a.beta.token +
+                                                  static_cast<int64_t>(h) * a.beta.head];
   {
     // The per-step gate (log2 units) into the G plane, zero past the end, from 16-byte
     // loads of the raw gate where its rows are aligned. A thread keeps its pieces' column
     // (its dt_bias and gate constants) for all of its rows.
     constexpr int VEC = 8;
-    const float a_exp = __expf(a.a_log[h]);
+    const float a_exp = __expf(a_log_h);
     const T* base = chunk_rows(a.g);
     uint4 buf[ITERS8];
     if (aligned_rows(a.g, base)) {  // 32-bit offsets from the chunk's row
@@ -330,11 +339,8 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
     }
     // lower bound: lb log2(e) sigmoid(a_exp (x + bias)) = lb2 / (1 + 2^(x na + bias na)),
     // na = -a_exp log2(e); softplus: -a_exp softplus_log2((x + bias) log2(e))
-    const float* bias = a.dt_bias + h * D + c8;
-    const float4 b0 = *reinterpret_cast<const float4*>(bias);
-    const float4 b1 = *reinterpret_cast<const float4*>(bias + 4);
     const float na = -a_exp * kLog2e, lb2 = a.lower_bound * kLog2e;
-    float bs[VEC] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+    float bs[VEC] = {bias_lo.x, bias_lo.y, bias_lo.z, bias_lo.w, bias_hi.x, bias_hi.y, bias_hi.z, bias_hi.w};
 #pragma unroll
     for (int j = 0; j < VEC; ++j) bs[j] *= Cfg::kLowerBound ? na : kLog2e;
 #pragma unroll
@@ -358,12 +364,13 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
       *reinterpret_cast<float4*>(row + gcol(c8 + 4)) = make_float4(gv[4], gv[5], gv[6], gv[7]);
     }
   }
+  if (tid < C) bt[tid] = tid < valid ? sigmoid(to_float<Io>(beta_raw)) : 0.0f;
   async::wait<0>();  // this thread's k / q copies have landed; the barrier publishes them
   barrier();
   {
     // Cumulative sum down each column, SEG threads per column: each sums its run of
     // rows in place, then adds the totals of the runs above it.
-    constexpr int SEG = NT >= D ? NT / D : 1, RUN = C / SEG;
+    constexpr int SEG = kCumsumRuns, RUN = C / SEG;
     static_assert(C % SEG == 0, "the cumsum runs must tile the chunk");
     for (int e = tid; e < D * SEG; e += NT) {
       const int d = gcol(e % D), r0 = (e / D) * RUN;
@@ -373,6 +380,8 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
         acc += Gs[(r0 + i) * LDG + d];
         Gs[(r0 + i) * LDG + d] = acc;
       }
+      // one run per column: acc is G_last (the gate is zero past the end)
+      if constexpr (SEG == 1) decay_out[e] = exp2f(acc);
     }
     barrier();
     if constexpr (SEG > 1) {
@@ -455,10 +464,11 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   T* const akk = kAkk ? static_cast<T*>(a.akk) + t0 * row_hc + h * C : nullptr;  // [T][H][C]
   T* const qg = static_cast<T*>(a.qg) + t0 * row_hd + h * D;
   T* const kg_t = static_cast<T*>(a.kg_t) + (static_cast<int64_t>(chunk) * H + h) * D * C;  // [chunks][H][D][C]
-  // decay = 2^G_last in fp32 (exp2f: the fp32 output keeps its subnormals)
+  // decay = 2^G_last in fp32 (exp2f: the fp32 output keeps its subnormals); with one
+  // cumsum run per column, stored by the cumsum itself
   auto store_decay = [&]() {
-    float* const decay = a.decay + (static_cast<int64_t>(chunk) * H + h) * D;  // [chunks][H][D]
-    for (int d = tid; d < D; d += NT) decay[d] = exp2f(Gs[last * LDG + gcol(d)]);
+    if constexpr (kCumsumRuns > 1)
+      for (int d = tid; d < D; d += NT) decay_out[d] = exp2f(Gs[last * LDG + gcol(d)]);
   };
 
   // Diagonal-block rows by exact exponent differences, for the rows use_simt(i) picks: a
