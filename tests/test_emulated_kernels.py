@@ -541,6 +541,19 @@ def check_prologue_and_single_walk(kern, x, C: int) -> None:
 
 
 @needs_clang
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_prologue_of_one_sequence(target, monkeypatch):
+    """A lone sequence (every long prefill), whose chunks the prologue numbers itself
+    without reading chunk_indices: six chunks of 16 and a partial seventh, strong decay,
+    every output against the reference and poisoned before the launch, then the walk."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    C, D = 16, 128
+    kern = emulated(head_dim=D, chunk_size=C, gate="lower_bound", target=target)
+    x = make_inputs([6 * C + 5], 2, D, device="cpu", gate="lower_bound", strong_decay=True, seed=32)
+    check_prologue_and_single_walk(kern, x, C)
+
+
+@needs_clang
 @pytest.mark.parametrize("target", ["sm_90", "gfx950"])
 def test_diagonal_blocks_take_both_paths_in_one_chunk(target):
     """Planar prologue: a softplus gate that is strong in the first 16 rows of every
