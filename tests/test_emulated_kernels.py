@@ -543,9 +543,10 @@ def check_prologue_and_single_walk(kern, x, C: int) -> None:
 @needs_clang
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
 def test_prologue_of_one_sequence(target, monkeypatch):
-    """A lone sequence (every long prefill), whose chunks the prologue numbers itself
-    without reading chunk_indices: six chunks of 16 and a partial seventh, strong decay,
-    every output against the reference and poisoned before the launch, then the walk."""
+    """A lone sequence (every long prefill; docs/wip's one-sequence and sequence-guess
+    patches take its chunks' bounds without the chunk_indices round trip): six chunks of
+    16 and a partial seventh, strong decay, every output against the reference and
+    poisoned before the launch, then the walk."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
     C, D = 16, 128
     kern = emulated(head_dim=D, chunk_size=C, gate="lower_bound", target=target)

@@ -233,11 +233,15 @@ inline std::vector<dim3> block_order(dim3 grid) {
 // a launcher picked).
 inline std::vector<dim3> launched_grids;
 
+// An integer setting of the emulation: the variable's value, or fallback where it is unset or empty.
+inline int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
+}
 // Run a grid: blocks one after another (block_order), the threads of each block at once.
 inline void launch(dim3 grid, dim3 blk, size_t shmem, const std::function<void()>& body) {
   launched_grids.push_back(grid);
-  const char* st = std::getenv("KDAGEN_EMULATE_STAGGER_US");
-  stagger_us = st != nullptr ? std::atoi(st) : 0;
+  stagger_us = env_int("KDAGEN_EMULATE_STAGGER_US", 0);
   const int nt = static_cast<int>(blk.x * blk.y * blk.z);
   std::vector<unsigned char> buf(shmem + 64);
   unsigned char* base = reinterpret_cast<unsigned char*>(
@@ -458,15 +462,13 @@ inline hipError_t hipGetDevice(int* d) {
 // The emulated device's compute units: KDAGEN_EMULATE_CUS, 8 unless set (what launchers
 // that size their grids by the machine see here).
 inline hipError_t hipDeviceGetAttribute(int* v, int, int) {
-  const char* env = std::getenv("KDAGEN_EMULATE_CUS");
-  *v = env != nullptr && *env != '\0' ? std::atoi(env) : 8;
+  *v = kdagen_emu::env_int("KDAGEN_EMULATE_CUS", 8);
   return hipSuccess;
 }
 // The emulated device has no occupancy: blocks resident per compute unit are
 // KDAGEN_EMULATE_RESIDENT, 0 (the runtime cannot tell) unless set.
 inline hipError_t hipOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void*, int, size_t) {
-  const char* env = std::getenv("KDAGEN_EMULATE_RESIDENT");
-  *n = env != nullptr && *env != '\0' ? std::atoi(env) : 0;
+  *n = kdagen_emu::env_int("KDAGEN_EMULATE_RESIDENT", 0);
   return hipSuccess;
 }
 #define hipLaunchKernelGGL(kernel, grid, blk, shmem, stream, ...) \
