@@ -3,8 +3,10 @@
 # tests need (one ninja graph, in parallel), run the GPU tests, run the benchmark,
 # and print a short table last.
 #
-#   bash scripts/gpu_check.sh [quick|bench]   # quick: build, GPU tests and sanitizers;
-#                                             # bench: the bench's variants, tune + benchmark
+#   bash scripts/gpu_check.sh [quick|bench|sanitize]
+#     quick: build, GPU tests and sanitizers; bench: the bench's variants, tune + benchmark;
+#     sanitize: only the variants scripts/sanitize_ops.py loads (examples/sanitize_grid.yaml)
+#     and compute-sanitizer over every op (a few minutes: no tests, no bench)
 #
 # KDAGEN_GPU_TESTS narrows the test files, KDAGEN_SANITIZE=0 skips compute-sanitizer,
 # KDAGEN_SANITIZE_TOOLS picks its tools, KDAGEN_BENCH_REPS / _GATES / _SHAPES shape the
@@ -39,7 +41,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 t0=$(date +%s)
+case "${1:-}" in
+  quick|bench|sanitize|"") ;;
+  *) echo "gpu_check: unknown mode '$1' (quick, bench, sanitize or none)"; exit 2 ;;
+esac
 grid=examples/gpu_grid.yaml; [ "${1:-}" = bench ] && grid=examples/bench_grid.yaml
+[ "${1:-}" = sanitize ] && grid=examples/sanitize_grid.yaml
 if [ "${1:-}" = bench ] && [ -n "${KDAGEN_BENCH_CHUNK:-}" ]; then
   # a fixed chunk size: build only the variants this bench part loads
   grid=$LOGS/bench_grid.yaml
@@ -49,8 +56,8 @@ fi
 python3 -m kdagen.cli variants "$grid" 2>&1 | tail -n 5 | tee "$LOGS/build.log"
 build_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
-tests_rc=1; [ "${1:-}" = bench ] && tests_rc=skipped
-if [ "$build_rc" = 0 ] && [ "${1:-}" != bench ]; then
+tests_rc=1; [ "${1:-}" = bench ] || [ "${1:-}" = sanitize ] && tests_rc=skipped
+if [ "$build_rc" = 0 ] && [ "$tests_rc" != skipped ]; then
   KDAGEN_RECORD="$OUT/errors.jsonl" python3 -m pytest ${KDAGEN_GPU_TESTS:-tests/test_gpu_kernels.py tests/test_gpu_torch.py tests/test_gpu_stress.py tests/test_gpu_builds.py} -m gpu -q -rfEs --durations=8 -p no:cacheprovider 2>&1 | tee "$LOGS/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
   python3 examples/prefill_decode.py 2>&1 | tee "$LOGS/examples.log"; python3 examples/kda_layer.py 2>&1 | tee -a "$LOGS/examples.log"
@@ -58,6 +65,9 @@ if [ "$build_rc" = 0 ] && [ "${1:-}" != bench ]; then
 fi
 t2=$(date +%s)
 san_rc=skipped
+if [ "${1:-}" = sanitize ] && ! command -v compute-sanitizer >/dev/null; then
+  echo "gpu_check: sanitize asked for, but compute-sanitizer is not on PATH"; san_rc=missing
+fi
 if [ "${KDAGEN_SANITIZE:-1}" = 1 ] && [ "$build_rc" = 0 ] && [ "${1:-}" != bench ] && command -v compute-sanitizer >/dev/null; then
   san_rc=""
   for tool in ${KDAGEN_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
@@ -69,7 +79,7 @@ if [ "${KDAGEN_SANITIZE:-1}" = 1 ] && [ "$build_rc" = 0 ] && [ "${1:-}" != bench
 fi
 bench_rc=skipped
 tune_rc=skipped
-if [ "${1:-}" != quick ] && [ "$build_rc" = 0 ]; then
+if [ "${1:-}" != quick ] && [ "${1:-}" != sanitize ] && [ "$build_rc" = 0 ]; then
   # measured chunk sizes (and each one's group counts) for the bench shapes into this
   # GPU's autotune cache (used below)
   # (KDAGEN_BENCH_CHUNK=16 fixes the chunk size instead: no chunk-size tuning, each shape's

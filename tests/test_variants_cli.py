@@ -136,6 +136,26 @@ def test_example_grids():
     ]
 
 
+def test_sanitize_grid_builds_what_sanitize_ops_loads():
+    """`gpu_check.sh sanitize` builds examples/sanitize_grid.yaml and then runs
+    scripts/sanitize_ops.py: the grid must hold every variant the script loads (on sm_90),
+    else the sanitizer's run would compile the missing one under its time limit."""
+    import ast
+
+    tree = ast.parse((REPO / "scripts" / "sanitize_ops.py").read_text())
+    loaded = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "load" and isinstance(node.args[0], ast.Dict)):
+            fields = {ast.literal_eval(k): (ast.literal_eval(v) if k.value != "target" else "sm_90")
+                      for k, v in zip(node.args[0].keys, node.args[0].values)}
+            loaded.add(KernelSpec.parse(fields).uri)
+    assert len(loaded) == 5
+    grid = {s.uri for s in expand_file(EXAMPLES / "sanitize_grid.yaml").specs}
+    assert grid == loaded
+    assert grid <= {s.uri for s in expand_file(EXAMPLES / "gpu_grid.yaml").specs}
+
+
 @pytest.mark.parametrize("grid, expected", [
     ([{"grid": {}}], "a grid file is a mapping with 'grid'"),
     ("head_dim: 128", "a grid file is a mapping"),
