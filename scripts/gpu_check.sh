@@ -26,6 +26,10 @@
 # the benchmark table names the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  quick|bench|sanitize|"") ;;
+  *) echo "gpu_check: unknown mode '$1' (quick, bench, sanitize or none)"; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/kdagen-out}
 LOGS=${LOGS:-/tmp/kdagen-logs}
 mkdir -p "$OUT" "$LOGS"; rm -f "$OUT/errors.jsonl"
@@ -41,10 +45,6 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 t0=$(date +%s)
-case "${1:-}" in
-  quick|bench|sanitize|"") ;;
-  *) echo "gpu_check: unknown mode '$1' (quick, bench, sanitize or none)"; exit 2 ;;
-esac
 grid=examples/gpu_grid.yaml; [ "${1:-}" = bench ] && grid=examples/bench_grid.yaml
 [ "${1:-}" = sanitize ] && grid=examples/sanitize_grid.yaml
 if [ "${1:-}" = bench ] && [ -n "${KDAGEN_BENCH_CHUNK:-}" ]; then
