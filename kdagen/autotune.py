@@ -89,7 +89,12 @@ def _device_tag(index: int) -> str:  # read once per device
 def cache_path(tag: str) -> Path:
     from .build import cache_root
 
-    return cache_root() / "tune" / f"{tag}.json"
+    return _tune_file(cache_root(), tag)
+
+
+@lru_cache(maxsize=64)
+def _tune_file(root: Path, tag: str) -> Path:
+    return root / "tune" / f"{tag}.json"
 
 
 class CacheUnreadable(Exception):
@@ -112,19 +117,20 @@ class TuneCache:
     """The choices recorded for one device: ``entries[spec key][shape key]``."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        self.path = path if isinstance(path, Path) else Path(path)
 
     def _load(self, *, memo: bool) -> dict:
         """Parsed entries; {} for a missing or damaged file (said once per version of it);
         CacheUnreadable when the file exists but cannot be read."""
+        name = str(self.path)
         try:
-            st = self.path.stat()
+            st = os.stat(name)  # (every grouped call comes here: os.stat, not Path.stat)
         except FileNotFoundError:
             return {}
         except OSError as e:
             raise CacheUnreadable(f"{self.path}: {e}") from None
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        seen = _read_cache.get(str(self.path))
+        seen = _read_cache.get(name)
         if memo and seen is not None and seen[0] == stamp:
             return seen[1]
         try:
@@ -144,7 +150,7 @@ class TuneCache:
                 _say(f"autotune cache {self.path} is damaged ({type(e).__name__}: {e}); ignoring "
                      "it (the next `kdagen tune` replaces it)")
             entries = {}
-        _read_cache[str(self.path)] = (stamp, entries)
+        _read_cache[name] = (stamp, entries)
         return entries
 
     def read(self) -> dict:

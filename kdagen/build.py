@@ -44,7 +44,14 @@ class BuildError(RuntimeError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KDAGEN_CACHE_DIR") or Path.home() / ".cache" / "kdagen")
+    """KDAGEN_CACHE_DIR, else ~/.cache/kdagen (read on every call: tests and tools change it;
+    the path made once per value, since the autotune lookup of every grouped call needs it)."""
+    return _cache_root(os.environ.get("KDAGEN_CACHE_DIR") or "", os.environ.get("HOME") or "")
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_root(env: str, home: str) -> Path:
+    return Path(env) if env else Path.home() / ".cache" / "kdagen"
 
 
 def verbose_default() -> bool:
