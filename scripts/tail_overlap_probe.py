@@ -27,9 +27,6 @@ import torch
 from kdagen.bench import profile_argv, time_ms
 from kdagen.testing import make_inputs
 
-OPS = ("qg", "w", "kg_t", "aqk", "decay")
-
-
 def kernel_spans(fn) -> list[tuple[str, float, float]]:
     """(kernel, start us, end us) of every kernel one call of ``fn`` runs, in start order."""
     from torch.profiler import ProfilerActivity, profile
@@ -42,6 +39,7 @@ def kernel_spans(fn) -> list[tuple[str, float, float]]:
     spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and "kernel" in ev.name:
+            # e.g. prologue_kernel<Config, true> (the template's arguments kept, not the call's)
             name = ev.name.replace("void ", "").replace("kdagen::", "").split("(")[0]
             spans.append((name, ev.time_range.start, ev.time_range.end))
     spans.sort(key=lambda s: s[1])
@@ -78,8 +76,9 @@ def main() -> None:
         out = torch.empty_like(full["w"])
 
         def scan() -> None:
-            kern.fused_kda_chunk(*(full[o] for o in OPS[:2]), v, *(full[o] for o in OPS[2:]), out,
-                                 None, x.cu_seqlens, init, True, groups=groups, akk=full["akk"])
+            kern.fused_kda_chunk(full["qg"], full["w"], v, full["kg_t"], full["aqk"], full["decay"],
+                                 out, None, x.cu_seqlens, init, True, groups=groups,
+                                 akk=full["akk"])
 
         # Everything but the tail runs on a high-priority stream: when pass one and the
         # tail's prologue are both ready (the tail waits for the split prologue only), the
@@ -94,10 +93,8 @@ def main() -> None:
 
         def overlap(_=None) -> None:
             prologue(0, cut)
-            ready = torch.cuda.Event()
-            ready.record()
+            side.wait_stream(torch.cuda.current_stream())  # (an event recorded here, before the scan)
             scan()
-            side.wait_event(ready)
             with torch.cuda.stream(side):
                 prologue(cut, t)
             torch.cuda.current_stream().wait_stream(side)
@@ -109,14 +106,13 @@ def main() -> None:
             res = {name: time_ms(fn, 1, 30, lead=True) for name, fn in
                    (("serial", serial), ("split", split), ("overlap", overlap), ("tail", tail))}
         print(f"{kern.spec.name} 1x{t}x{h} {gate} groups {groups}, last group from token {cut}: "
-              + ", ".join(f"{k} {v:.3f} ms" for k, v in res.items())
+              + ", ".join(f"{name} {ms:.3f} ms" for name, ms in res.items())
               + f" | hidden {res['serial'] - res['overlap']:+.3f} ms of the tail's {res['tail']:.3f}",
               flush=True)
         with torch.cuda.stream(main_stream):
             spans = kernel_spans(overlap)
-        print("  timeline (us from the first kernel's start): " + "; ".join(
-            f"{nm.split('<')[0]}{'<' + nm.split('<')[1].split('>')[0] + '>' if '<' in nm else ''} "
-            f"{a:.0f}-{b:.0f}" for nm, a, b in spans), flush=True)
+        print("  timeline (us from the first kernel's start): "
+              + "; ".join(f"{nm} {a:.0f}-{b:.0f}" for nm, a, b in spans), flush=True)
 
 
 if __name__ == "__main__":
