@@ -626,15 +626,16 @@ def paged_walk(kern, x, p, slots, idx, has, offs, groups):
 
 
 @needs_clang
-@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+@pytest.mark.parametrize("target,D,C", [("sm_90", 64, 32), ("gfx942", 64, 32), ("sm_90", 128, 16)])
 @pytest.mark.parametrize("groups", [1, 3, 4])
-def test_paged_cache_and_checkpoints(target, groups, monkeypatch):
+def test_paged_cache_and_checkpoints(target, D, C, groups, monkeypatch):
     """Paged start / end states and a mid-prefill checkpoint, in the single walk and in
     the grouped walks (3 groups: the checkpoint in group 0, one-chunk sequences that end
-    in group 0; 4 groups: the checkpoint in group 1)."""
+    in group 0; 4 groups: the checkpoint in group 1); at chunk 16 with the paired walks
+    (two tiles of state rows a wave)."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
-    kern = emulated(head_dim=64, chunk_size=32, target=target)
-    C, D, H = 32, 64, 2
+    kern = emulated(head_dim=D, chunk_size=C, target=target)
+    H = 2
     x = make_inputs([C * 3 + 3, C, 5], H, D, device="cpu", seed=21)
     idx = torch.tensor([4, 1, 2], dtype=torch.int32)
     has = torch.tensor([True, False, True])
