@@ -75,6 +75,20 @@ def profile_argv(argv: list[str], default_shapes: str):
     return shapes, gate, kern
 
 
+def profiled_kernels(fn: Callable[[], object], reps: int = 1) -> list:
+    """The device (CUDA) events of ``reps`` calls of ``fn`` under the torch profiler, after
+    one call outside it (the profiling scripts' kernel times and timelines)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def traffic(token_heads: int, C: int = 64, state_planes: int = 0) -> tuple[float, float]:
     """Bytes and FLOPs of the two-kernel design for ``token_heads`` at chunk ``C``, with
     ``state_planes`` (sequences x heads) fp32 start states read and end states written

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from kdagen.bench import profile_argv, time_ms
+from kdagen.bench import profile_argv, profiled_kernels, time_ms
 from kdagen.testing import make_inputs
 from kdagen.varlen import prepare_chunk_indices
 
@@ -24,22 +24,13 @@ DEFAULT = "1x32768:32,8x4096:32,32x1024:32,1x2048:32,1x131072:8,64x256:32"
 
 def kernel_times(fn, reps: int) -> dict[str, float]:
     """Device ms per call of every kernel ``fn`` launches (profiler, ``reps`` calls)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
     out: dict[str, float] = collections.defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name.split("<")[0].split("(")[0].replace("void ", "").replace("kdagen::", "")
-            if "<" in ev.name and "chunk_kernel" in ev.name:  # chunk_kernel<Config, mode[, akk]>
-                targs = [a.strip() for a in ev.name.split("<", 1)[1].split(">")[0].split(",")]
-                name += f"[mode {targs[1]}" + (" akk" if targs[2:] == ["true"] else "") + "]"
-            out[name] += ev.device_time_total / 1000.0 / reps
+    for ev in profiled_kernels(fn, reps):
+        name = ev.name.split("<")[0].split("(")[0].replace("void ", "").replace("kdagen::", "")
+        if "<" in ev.name and "chunk_kernel" in ev.name:  # chunk_kernel<Config, mode[, akk]>
+            targs = [a.strip() for a in ev.name.split("<", 1)[1].split(">")[0].split(",")]
+            name += f"[mode {targs[1]}" + (" akk" if targs[2:] == ["true"] else "") + "]"
+        out[name] += ev.device_time_total / 1000.0 / reps
     return dict(out)
 
 

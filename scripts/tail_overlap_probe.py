@@ -24,21 +24,14 @@ import sys
 
 import torch
 
-from kdagen.bench import profile_argv, time_ms
+from kdagen.bench import profile_argv, profiled_kernels, time_ms
 from kdagen.testing import make_inputs
 
 def kernel_spans(fn) -> list[tuple[str, float, float]]:
     """(kernel, start us, end us) of every kernel one call of ``fn`` runs, in start order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
     spans = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "kernel" in ev.name:
+    for ev in profiled_kernels(fn):
+        if "kernel" in ev.name:
             # e.g. prologue_kernel<Config, true> (the template's arguments kept, not the call's)
             name = ev.name.replace("void ", "").replace("kdagen::", "").split("(")[0]
             spans.append((name, ev.time_range.start, ev.time_range.end))
