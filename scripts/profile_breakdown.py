@@ -22,14 +22,20 @@ from kdagen.varlen import prepare_chunk_indices
 DEFAULT = "1x32768:32,8x4096:32,32x1024:32,1x2048:32,1x131072:8,64x256:32"
 
 
+# chunk_kernel's mode (chunk.h: kWalkSingle, kWalkPassOne, kWalkPassTwo, kWalkPassOneSegments)
+WALKS = {"0": "single walk", "1": "pass one", "2": "pass two", "3": "pass one"}
+
+
 def kernel_times(fn, reps: int) -> dict[str, float]:
-    """Device ms per call of every kernel ``fn`` launches (profiler, ``reps`` calls)."""
+    """Device ms per call of every kernel ``fn`` launches (profiler, ``reps`` calls); the
+    chunk scan's launches named by their walk, e.g. ``chunk_kernel[pass two: mode 2 akk]``."""
     out: dict[str, float] = collections.defaultdict(float)
     for ev in profiled_kernels(fn, reps):
         name = ev.name.split("<")[0].split("(")[0].replace("void ", "").replace("kdagen::", "")
         if "<" in ev.name and "chunk_kernel" in ev.name:  # chunk_kernel<Config, mode[, akk]>
             targs = [a.strip() for a in ev.name.split("<", 1)[1].split(">")[0].split(",")]
-            name += f"[mode {targs[1]}" + (" akk" if targs[2:] == ["true"] else "") + "]"
+            name += (f"[{WALKS.get(targs[1], 'walk')}: mode {targs[1]}"
+                     + (" akk" if targs[2:] == ["true"] else "") + "]")
         out[name] += ev.device_time_total / 1000.0 / reps
     return dict(out)
 
