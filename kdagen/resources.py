@@ -243,6 +243,7 @@ class ChunkPlan:
     pass_one_width: int = 0  # pass one's state rows per block (pass_one_width); 0: the block width
     pass_one_wg_vnew: bool = False  # with wg_update, pass one's v_new products per warpgroup (PASS_ONE_WG_VNEW)
     pass_one_lds_blocks: int = 8  # pass-one blocks whose LDS one compute unit holds
+    pass_one_swizzle: bool = False  # ``swizzle`` for pass one's tiles (pass_one_swizzle)
 
     @property
     def stages_of_pass_one(self) -> int:
@@ -349,6 +350,13 @@ def pass_one_paired(chunk_size: int, wave_size: int) -> bool:
 # against 0.525 / 0.523), the unpaired pass one 0.614 -> 0.565, but the paired one (on)
 # 0.532 -> 0.550: no gain where it runs.
 CHUNK_SWIZZLE = False
+# Pass one's tiles (NVIDIA), where they should differ from the walks with outputs': None
+# takes CHUNK_SWIZZLE. Swizzled, pass one loses its warpgroup state update (CHUNK_WG_UPDATE
+# reads a padded kg tile). The walks with outputs' copies ask the L2 for 1.5x the ideal
+# sectors into padded rows (ncu, H100, session 35: 24 sectors per 16-byte cp.async warp
+# copy against 16; DRAM moves each byte once, L2 81% busy), which the swizzled tiles
+# avoid; pass one is a register-bound chain there and keeps its update. Untimed.
+CHUNK_SWIZZLE_PASS_ONE = None
 # CDNA: on (untimed: no AMD GPU here), on compile evidence (Debian hipcc, gfx90a and gfx942
 # through gfx940, d128 / bv128, docs/BENCHMARKS.md "AMD"): at chunk 64, the CDNA default,
 # the padded walks take 255-256 VGPRs and 20-120 bytes / lane of scratch, the swizzled
@@ -375,8 +383,17 @@ def walk_paired(chunk_size: int, block_width: int, wave_size: int, wgmma: bool =
 
 def chunk_swizzle(vendor: str) -> bool:
     """Whether the per-wave chunk scan of a ``vendor`` ("nvidia", "amd") target swizzles
-    its LDS tiles instead of padding their rows."""
+    its LDS tiles instead of padding their rows (the single walk, pass two; pass one:
+    ``pass_one_swizzle``)."""
     return CHUNK_SWIZZLE_CDNA if vendor == "amd" else CHUNK_SWIZZLE
+
+
+def pass_one_swizzle(vendor: str) -> bool:
+    """``chunk_swizzle`` for the grouped walk's pass one (CHUNK_SWIZZLE_PASS_ONE on NVIDIA,
+    where it is not None)."""
+    if vendor == "amd" or CHUNK_SWIZZLE_PASS_ONE is None:
+        return chunk_swizzle(vendor)
+    return CHUNK_SWIZZLE_PASS_ONE
 
 
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:
@@ -398,25 +415,27 @@ def chunk_min_blocks(chunk_size: int, block_width: int, wave_size: int) -> int:
 def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, wave_size: int,
                shared_mem: int, async_copy: bool, cu_shared_mem: int = 0,
                block_smem_reserve: int = 0, warpgroup_mma: bool = False,
-               swizzle: bool = False) -> ChunkPlan:
+               swizzle: bool = False, pass_one_swizzle: bool | None = None) -> ChunkPlan:
     """The richest buffering that fits: up to ``CHUNK_STAGES`` stages (the most that fit,
     at least 2; at least 3 for the warpgroup walk, else it is dropped) with u / o staged
     where the target has asynchronous copies, with
     ``chunk_min_blocks`` resident blocks where their share of the compute unit's LDS holds
     those stages (else 1), and warpgroup products where ``chunk_wgmma`` allows them;
     otherwise one stage, with u / o staged if they fit. ``swizzle``: the per-wave walk's
-    tiles unpadded with swizzled pieces (``chunk_swizzle``). Pass one's blocks take
-    ``pass_one_width`` rows."""
+    tiles unpadded with swizzled pieces (``chunk_swizzle``); ``pass_one_swizzle`` pass
+    one's (None: as ``swizzle``). Pass one's blocks take ``pass_one_width`` rows."""
+    swizzle_one = swizzle if pass_one_swizzle is None else pass_one_swizzle
     footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
-                                                        wave_size, st, uo, w, swizzle).shared_mem
+                                                        wave_size, st, uo, w, swizzle_one).shared_mem
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
     wg = (chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
           and footprint(3, True, True) <= shared_mem)
-    wgu = chunk_wg_update(chunk_size, warpgroup_mma, wg, swizzle) and async_copy
+    # (pass one's; the walks with outputs' only beside their own padded tiles)
+    wgu = chunk_wg_update(chunk_size, warpgroup_mma, wg, swizzle_one) and async_copy
     # (the warpgroup walk's blocks are whole warpgroups: pass one keeps the block width there)
     width_one = block_width if wg else pass_one_width(head_dim, block_width)
     one_bytes = lambda st, uo, w: pass_one_footprint(head_dim, chunk_size, width_one, io_dtype,
-                                                     wave_size, st, uo, w, swizzle).shared_mem
+                                                     wave_size, st, uo, w, swizzle_one).shared_mem
     # pass-one blocks whose LDS one compute unit holds
     lds_blocks = lambda st, uo, w: max(1, (cu_shared_mem or shared_mem)
                                        // max(1, one_bytes(st, uo, w) + block_smem_reserve))
@@ -435,11 +454,13 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
         return ChunkPlan(stages, True, blocks, wg, one_stages,
                          pass_one_paired(chunk_size, wave_size) and not wg, swizzle and not wg,
                          walk_paired(chunk_size, block_width, wave_size, wg), wgu,
-                         wgu and CHUNK_WG_UPDATE_OUTPUTS, width_one,
-                         wgu and PASS_ONE_WG_VNEW, lds_blocks(one_stages, True, wg))
+                         wgu and CHUNK_WG_UPDATE_OUTPUTS and not swizzle, width_one,
+                         wgu and PASS_ONE_WG_VNEW, lds_blocks(one_stages, True, wg),
+                         swizzle_one and not wg)
     uo = footprint(1, True) <= shared_mem
     return ChunkPlan(1, uo, 1, pass_one_paired=pass_one_paired(chunk_size, wave_size), swizzle=swizzle,
-                     pass_one_width=width_one, pass_one_lds_blocks=lds_blocks(1, uo, False))
+                     pass_one_width=width_one, pass_one_lds_blocks=lds_blocks(1, uo, False),
+                     pass_one_swizzle=swizzle_one)
 
 
 def chunk_state_regs_per_lane(head_dim: int, wave_size: int) -> int:

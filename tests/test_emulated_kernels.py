@@ -105,6 +105,24 @@ def test_the_other_tile_layout_matches_the_reference(case, monkeypatch):
     assert f"kChunkSwizzle = {want};" in render(kern.spec).files["kernels.hip"]
 
 
+@needs_clang
+def test_walks_with_outputs_swizzled_beside_a_padded_pass_one(monkeypatch):
+    """The shipped chunk-16 variant (sm_90) with the tiles of the single walk and pass two
+    swizzled and pass one's padded (CHUNK_SWIZZLE on, CHUNK_SWIZZLE_PASS_ONE off): pass one
+    keeps its warpgroup state update, which reads a padded kg tile. The grouped walk reads
+    pass one's planes in pass two, so a layout either pass took from the other's Config
+    fails here (check_prefill walks in one group and in three)."""
+    from kdagen.render import render
+
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", True)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_PASS_ONE", False)
+    kern = check_prefill(*PREFILL[8])
+    src = render(kern.spec).files["kernels.hip"]
+    for want in ("kChunkSwizzle = true;", "kChunkSwizzlePassOne = false;", "kChunkWgUpdate = true;",
+                 "kWalkPaired = true;", "kPassOnePaired = true;"):
+        assert want in src, want
+
+
 SWIZZLE_PROPERTIES = r"""
 #include "kdagen/numeric.h"
 #include <set>

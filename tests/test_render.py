@@ -148,6 +148,7 @@ def test_default_constexprs():
         "kPassOnePaired": "false",  # resources.pass_one_paired: on (v21), but not at c64 on wave32 (spills)
         "kPassOneLead": str(resources.PASS_ONE_LEAD),  # pass one's segment 0 from X_0 (eighths of a segment)
         "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
+        "kChunkSwizzlePassOne": "false",  # resources.CHUNK_SWIZZLE_PASS_ONE: None, as CHUNK_SWIZZLE
         "kWalkPaired": "false",  # resources.walk_paired: on (v22), at chunk 16 only
         "kChunkWgUpdate": "false",  # resources.chunk_wg_update: on (v26), at chunk 16 only
         "kChunkWgUpdateOutputs": "false",  # resources.CHUNK_WG_UPDATE_OUTPUTS: pass one alone (session 27)
@@ -331,6 +332,38 @@ def test_swizzled_tiles_on_cdna_off_on_nvidia_never_with_warpgroup_products(monk
     assert fp(wgmma=True, swizzle=True) == fp(wgmma=True)
     monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
     assert swz(dict(chunk_size=16)) == "false"
+
+
+def test_pass_one_tiles_swizzled_apart_from_the_walks_with_outputs(monkeypatch):
+    """CHUNK_SWIZZLE_PASS_ONE (NVIDIA) sets pass one's tile layout apart from the single
+    walk's and pass two's: None follows CHUNK_SWIZZLE. Pass one keeps its warpgroup state
+    update only beside its own padded tiles, and its footprint follows its own layout; the
+    walks with outputs lose the update (CHUNK_WG_UPDATE_OUTPUTS) where they swizzle. CDNA
+    takes CHUNK_SWIZZLE_CDNA for both."""
+    cfg = lambda spec: constexprs(kernels(spec))  # noqa: E731
+    keys = ("kChunkSwizzle", "kChunkSwizzlePassOne", "kChunkWgUpdate", "kChunkWgUpdateOutputs")
+    pick = lambda spec: tuple(cfg(spec)[k] for k in keys)  # noqa: E731
+    assert resources.CHUNK_SWIZZLE_PASS_ONE is None
+    c16 = dict(chunk_size=16)
+    assert pick(c16) == ("false", "false", "true", "false")
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", True)
+    assert pick(c16) == ("true", "true", "false", "false")  # None: pass one as the others
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_PASS_ONE", False)
+    assert pick(c16) == ("true", "false", "true", "false")
+    monkeypatch.setattr(resources, "CHUNK_WG_UPDATE_OUTPUTS", True)
+    assert pick(c16) == ("true", "false", "true", "false")  # not beside swizzled tiles
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", False)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_PASS_ONE", True)
+    assert pick(c16) == ("false", "true", "false", "false")
+    assert cfg(dict(chunk_size=64, target="gfx942"))["kChunkSwizzlePassOne"] == "true"  # CDNA: both
+    t = KernelSpec.parse(c16).target_info
+    plan = lambda one: resources.chunk_plan(128, 16, 128, "bf16", t.wave_size, t.shared_mem,  # noqa: E731
+                                            t.async_copy, t.cu_smem, t.block_smem_reserve,
+                                            t.warpgroup_mma, True, one)
+    assert plan(None).pass_one_swizzle and not plan(False).pass_one_swizzle and plan(False).swizzle
+    assert plan(False).wg_update and not plan(None).wg_update
+    one = lambda swz: resources.pass_one_footprint(128, 16, 128, "bf16", 32, 3, True, swizzle=swz)  # noqa: E731
+    assert one(True).shared_mem < one(False).shared_mem
 
 
 def test_warpgroup_tiles_drop_the_ldmatrix_padding():

@@ -54,8 +54,9 @@ struct ChunkLayout {
   static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, BV = Cfg::kBlockV;
   static constexpr bool kWg = Cfg::kChunkWgmma;  // K-major core-matrix tiles (no padding)
   // Cfg::kChunkSwizzle: the per-wave walk's 16-bit tiles unpadded, their 16-byte pieces
-  // swizzled by row (swizzled<W>) instead of rows padded by kPad16 (lds_index)
-  static constexpr bool kSwz = Cfg::kChunkSwizzle && !kWg;
+  // swizzled by row (swizzled<W>) instead of rows padded by kPad16 (lds_index); pass one's
+  // (no outputs) with Cfg::kChunkSwizzlePassOne
+  static constexpr bool kSwz = (kOutputs ? Cfg::kChunkSwizzle : Cfg::kChunkSwizzlePassOne) && !kWg;
   static constexpr int kPad = kWg || kSwz ? 0 : Cfg::kPad16;
   static constexpr int LDW = D + kPad;  // w, qg tiles [C][LDW]
   static constexpr int LDC = C + kPad;  // kg_t [D][LDC], aqk [C][LDC]
