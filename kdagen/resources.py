@@ -426,7 +426,7 @@ def chunk_plan(head_dim: int, chunk_size: int, block_width: int, io_dtype: str, 
     one's (None: as ``swizzle``). Pass one's blocks take ``pass_one_width`` rows."""
     swizzle_one = swizzle if pass_one_swizzle is None else pass_one_swizzle
     footprint = lambda st, uo, w=False: chunk_footprint(head_dim, chunk_size, block_width, io_dtype,
-                                                        wave_size, st, uo, w, swizzle_one).shared_mem
+                                                        wave_size, st, uo, w, swizzle).shared_mem
     # the warpgroup walk refills one stage later (its state update runs on): 3 stages or none
     wg = (chunk_wgmma(head_dim, block_width, warpgroup_mma) and async_copy
           and footprint(3, True, True) <= shared_mem)

@@ -364,6 +364,17 @@ def test_pass_one_tiles_swizzled_apart_from_the_walks_with_outputs(monkeypatch):
     assert plan(False).wg_update and not plan(None).wg_update
     one = lambda swz: resources.pass_one_footprint(128, 16, 128, "bf16", 32, 3, True, swizzle=swz)  # noqa: E731
     assert one(True).shared_mem < one(False).shared_mem
+    # each walk's LDS is planned with its own layout
+    seen = {}
+    for name in ("chunk_footprint", "pass_one_footprint"):
+        real = getattr(resources, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            seen.setdefault(_name, set()).add(a[8] if len(a) > 8 else kw.get("swizzle", False))
+            return _real(*a, **kw)
+        monkeypatch.setattr(resources, name, spy)
+    plan(False)
+    assert seen == {"chunk_footprint": {True}, "pass_one_footprint": {False}}
 
 
 def test_warpgroup_tiles_drop_the_ldmatrix_padding():
