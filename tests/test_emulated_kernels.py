@@ -108,10 +108,11 @@ def test_the_other_tile_layout_matches_the_reference(case, monkeypatch):
 @needs_clang
 def test_walks_with_outputs_swizzled_beside_a_padded_pass_one(monkeypatch):
     """The shipped chunk-16 variant (sm_90) with the tiles of the single walk and pass two
-    swizzled and pass one's padded (CHUNK_SWIZZLE on, CHUNK_SWIZZLE_PASS_ONE off): pass one
-    keeps its warpgroup state update, which reads a padded kg tile. The grouped walk reads
-    pass one's planes in pass two, so a layout either pass took from the other's Config
-    fails here (check_prefill walks in one group and in three)."""
+    swizzled and pass one's padded (CHUNK_SWIZZLE on, CHUNK_SWIZZLE_PASS_ONE off), against
+    the reference in one group and in three (check_prefill): each walk's copies and
+    fragment loads must take its own Config's layout, and pass one keeps its warpgroup
+    state update, which reads a padded kg tile (a pass one laid out by kChunkSwizzle stops
+    at that static assertion)."""
     from kdagen.render import render
 
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", True)
