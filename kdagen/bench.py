@@ -89,6 +89,21 @@ def profiled_kernels(fn: Callable[[], object], reps: int = 1) -> list:
     return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def kernel_traffic(token_heads: int, C: int = 64, covered: float = 0.0) -> dict[str, float]:
+    """Bytes each kernel of the two-kernel design moves for ``token_heads`` at chunk ``C``
+    (the module text's count, split by kernel; the start / end states left out):
+    ``prologue`` (reads q, k, g, beta, writes qg, w, kg_t, aqk, akk, decay), ``walk`` (the
+    single walk or pass two: reads those but q's and g's, and v, writes o) and, for the
+    grouped walk, ``pass_one``: w, kg_t, akk, decay and v read again over the ``covered``
+    share of the tokens (the chunks before the last group's start, (G - 1) / G)."""
+    inter = 3 * D * 2 + 2 * C * 2 + 4 * D / C  # qg, w, kg_t; aqk, akk; the fp32 decay
+    out = {"prologue": (3 * D * 2 + 2 + inter) * token_heads,
+           "walk": (inter + D * 2 + D * 2) * token_heads}
+    if covered:
+        out["pass_one"] = (2 * D * 2 + C * 2 + 4 * D / C + D * 2) * token_heads * covered
+    return out
+
+
 def traffic(token_heads: int, C: int = 64, state_planes: int = 0) -> tuple[float, float]:
     """Bytes and FLOPs of the two-kernel design for ``token_heads`` at chunk ``C``, with
     ``state_planes`` (sequences x heads) fp32 start states read and end states written

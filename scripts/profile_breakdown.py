@@ -5,7 +5,9 @@ alone), and every kernel's device time from the torch profiler.
     python3 scripts/profile_breakdown.py [shapes] [gate] [chunk] [width]
         e.g. 1x32768:32,8x4096:32 lower_bound 32 128
 
-Prints one line per shape: eager ms, graph ms, host overhead, and the kernels' times.
+Prints one line per shape: eager ms, graph ms, host overhead, and the kernels' times, the
+prologue's and the walks' with the bandwidth their bytes take at that time
+(``bench.kernel_traffic``: what each must move, not what it measured moving).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 
 import torch
 
-from kdagen.bench import profile_argv, profiled_kernels, time_ms
+from kdagen.bench import kernel_traffic, profile_argv, profiled_kernels, time_ms
 from kdagen.testing import make_inputs
 from kdagen.varlen import prepare_chunk_indices
 
@@ -40,6 +42,19 @@ def kernel_times(fn, reps: int) -> dict[str, float]:
     return dict(out)
 
 
+def kernel_rates(times: dict[str, float], n: int, t: int, h: int, C: int, groups: int) -> dict[str, float]:
+    """GB/s of each kernel in ``times`` (``kernel_times``' names) whose bytes
+    ``kernel_traffic`` counts, for n sequences of t tokens and h heads in ``groups``."""
+    nc = -(-t // C)
+    covered = min(nc, (groups - 1) * -(-nc // groups)) * C / t if groups > 1 else 0.0
+    traffic = kernel_traffic(n * t * h, C, min(covered, 1.0))
+    which = lambda name: ("prologue" if name.startswith("prologue_kernel")  # noqa: E731
+                          else "pass_one" if "[pass one" in name
+                          else "walk" if "[pass two" in name or "[single walk" in name else None)
+    return {k: traffic[which(k)] / (ms * 1e-3) / 1e9 for k, ms in times.items()
+            if which(k) in traffic and ms > 0}
+
+
 def main() -> None:
     shapes, gate, kern = profile_argv(sys.argv, DEFAULT)
     C = kern.spec.chunk_size
@@ -62,7 +77,9 @@ def main() -> None:
         replay = time_ms(lambda _: graph.replay(), 1, 20)
         led = time_ms(lambda _: e2e(ci), 1, 20, lead=True), time_ms(lambda _: graph.replay(), 1, 20, lead=True)
         ks = kernel_times(lambda: e2e(ci), 10)
-        parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ks.items(), key=lambda kv: -kv[1]))
+        rates = kernel_rates(ks, n, t, h, C, groups)
+        parts = ", ".join(f"{k} {v:.3f}" + (f" ({rates[k]:.0f} GB/s)" if k in rates else "")
+                          for k, v in sorted(ks.items(), key=lambda kv: -kv[1]))
         print(f"{kern.spec.name} {n}x{t}x{h} {gate} groups {groups}: eager {eager:.3f} ms, graph {replay:.3f} ms, "
               f"host {eager - replay:+.3f} ms, busy stream: eager {led[0]:.3f} graph {led[1]:.3f}, "
               f"kernels {sum(ks.values()):.3f} | {parts}", flush=True)

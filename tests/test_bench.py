@@ -1,5 +1,7 @@
 """The benchmark's counting and its table, on CPU (timing needs a GPU: `kdagen bench`)."""
 
+import pytest
+
 from kdagen import bench
 
 
@@ -57,8 +59,6 @@ def test_merge_joins_the_rows_of_runs_split_over_calls(tmp_path):
     replaces the same (shape, gate); runs of another commit or GPU are refused."""
     import argparse
     import json
-
-    import pytest
 
     meta = dict(date="2026-12-05", commit="abc", gpu="GPU", cus=132, torch="2.11", copy_gbps=4200,
                 bf16_tflops=744, chunk="16")
@@ -189,3 +189,46 @@ def test_lead_spins_the_gpu_before_each_start_event(monkeypatch):
     calls.clear()
     bench.time_ms(lambda i: calls.append("call"), 1, 2, warmup=0)
     assert calls == ["record", "call", "record"] * 2
+
+
+def test_kernel_traffic_splits_the_two_kernel_count():
+    """The per-kernel bytes add up to ``traffic`` (no states), and pass one reads w, kg_t,
+    akk, the decay and v again over the covered tokens: 832 bytes per token x head at c16."""
+    for C in (16, 32, 64):
+        k = bench.kernel_traffic(1000, C)
+        assert set(k) == {"prologue", "walk"}
+        assert k["prologue"] + k["walk"] == pytest.approx(bench.traffic(1000, C)[0])
+    k = bench.kernel_traffic(8, 16, covered=7 / 8)
+    assert k["prologue"] == 8 * 1634 and k["walk"] == 8 * 1376 and k["pass_one"] == pytest.approx(7 * 832)
+
+
+def test_profile_breakdown_names_walks_and_rates_them():
+    """scripts/profile_breakdown.py names the chunk scan's launches by their walk and gives
+    the prologue and the walks the bandwidth of their bytes (session 32's H200 times at
+    1x32768x32 in 8 groups: the prologue 2.9 TB/s, pass one 1.7, pass two 3.25)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_breakdown.py"
+    spec = importlib.util.spec_from_file_location("profile_breakdown", path)
+    pb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pb)
+
+    class Event:
+        def __init__(self, name):
+            self.name, self.device_time_total = name, 1000.0
+
+    names = [f"void kdagen::chunk_kernel<kdagen::Config, {m}, true>(kdagen::ChunkArgs)" for m in (2, 3, 0)]
+    names.append("void kdagen::group_scan_kernel<kdagen::Config, 32, 3>(kdagen::ChunkArgs)")
+    pb.profiled_kernels = lambda fn, reps: [Event(n) for n in names]
+    assert set(pb.kernel_times(None, 1)) == {"chunk_kernel[pass two: mode 2 akk]", "chunk_kernel[pass one: mode 3 akk]",
+                                             "chunk_kernel[single walk: mode 0 akk]", "group_scan_kernel"}
+    times = {"prologue_kernel": 0.587, "chunk_kernel[pass one: mode 3 akk]": 0.443,
+             "chunk_kernel[pass two: mode 2 akk]": 0.444, "group_scan_kernel": 0.048}
+    rates = pb.kernel_rates(times, 1, 32768, 32, 16, 8)
+    assert set(rates) == set(times) - {"group_scan_kernel"}
+    assert rates["prologue_kernel"] == pytest.approx(1634 * 32768 * 32 / 0.587e-3 / 1e9)
+    assert rates["chunk_kernel[pass one: mode 3 akk]"] == pytest.approx(832 * 28672 * 32 / 0.443e-3 / 1e9)
+    assert rates["chunk_kernel[pass two: mode 2 akk]"] == pytest.approx(1376 * 32768 * 32 / 0.444e-3 / 1e9)
+    assert pb.kernel_rates({"chunk_kernel[single walk: mode 0 akk]": 0.451}, 8, 4096, 32, 16, 1) == {
+        "chunk_kernel[single walk: mode 0 akk]": pytest.approx(1376 * 8 * 4096 * 32 / 0.451e-3 / 1e9)}
