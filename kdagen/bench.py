@@ -108,7 +108,7 @@ def traffic(token_heads: int, C: int = 64, state_planes: int = 0) -> tuple[float
     """Bytes and FLOPs of the two-kernel design for ``token_heads`` at chunk ``C``, with
     ``state_planes`` (sequences x heads) fp32 start states read and end states written
     (D x D x 4 bytes each way: at 64x256x32 that adds 17% to the bytes)."""
-    per_bytes = 3 * D * 2 + 2 + 2 * (3 * D * 2 + 2 * C * 2 + 4 * D / C) + D * 2 + D * 2
+    per_bytes = sum(kernel_traffic(1, C).values())  # the prologue's and the walk's
     per_flops = 4 * C * D + 6 * D * D + C * D
     return per_bytes * token_heads + state_planes * 2 * D * D * 4, per_flops * token_heads
 
