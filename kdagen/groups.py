@@ -135,6 +135,13 @@ def pass_one_segments(groups: int, num_seqs: int, num_heads: int, num_cus: int, 
     return best if steps(best) <= (1.0 - SEGMENT_GAIN) * steps(top) else top
 
 
+def group_start(chunks: int, groups: int, g: int) -> int:
+    """The chunk where group ``g`` of a sequence of ``chunks`` chunks starts (chunk.h's
+    start_of_group: spans of ceil(chunks / groups) chunks); pass one covers the chunks
+    before ``group_start(chunks, groups, groups - 1)``."""
+    return min(g * -(-chunks // groups), chunks)
+
+
 def segments_of(groups: int, segments: int) -> int:
     """The segments the kernels run for an op's ``segments`` argument: 0 means one per
     group (groups - 1), as the op's default."""

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from kdagen.bench import kernel_traffic, profile_argv, profiled_kernels, time_ms
+from kdagen.groups import group_start
 from kdagen.testing import make_inputs
 from kdagen.varlen import prepare_chunk_indices
 
@@ -45,8 +46,7 @@ def kernel_times(fn, reps: int) -> dict[str, float]:
 def kernel_rates(times: dict[str, float], n: int, t: int, h: int, C: int, groups: int) -> dict[str, float]:
     """GB/s of each kernel in ``times`` (``kernel_times``' names) whose bytes
     ``kernel_traffic`` counts, for n sequences of t tokens and h heads in ``groups``."""
-    nc = -(-t // C)
-    covered = min(nc, (groups - 1) * -(-nc // groups)) * C / t if groups > 1 else 0.0
+    covered = group_start(-(-t // C), groups, groups - 1) * C / t if groups > 1 else 0.0
     traffic = kernel_traffic(n * t * h, C, min(covered, 1.0))
     which = lambda name: ("prologue" if name.startswith("prologue_kernel")  # noqa: E731
                           else "pass_one" if "[pass one" in name

@@ -28,6 +28,7 @@ import sys
 import torch
 
 from kdagen.bench import profile_argv, profiled_kernels, time_ms
+from kdagen.groups import group_start
 from kdagen.testing import make_inputs
 from kdagen.varlen import prepare_chunk_indices
 
@@ -58,8 +59,7 @@ def main() -> None:
         init = torch.randn(1, h, 128, 128, device="cuda") * 0.05
         nc = -(-t // C)
         groups = kern._choose_groups(nc, 1, h, dev)
-        span = -(-nc // groups)
-        cut = min(t, (groups - 1) * span * C)  # the last group's first token
+        cut = min(t, group_start(nc, groups, groups - 1) * C)  # the last group's first token
         if groups < 2 or cut >= t:
             print(f"tail_overlap_probe: {n}x{t}x{h} walks in one group: nothing to overlap")
             continue

@@ -34,7 +34,8 @@ from hypothesis import strategies as st
 
 import kdagen.ops as kops
 from kdagen.checks import ArgumentError
-from kdagen.groups import MAX_GROUPS, chunk_groups, group_workspace, pass_one_segments, segments_of
+from kdagen.groups import (MAX_GROUPS, chunk_groups, group_start, group_workspace, pass_one_segments,
+                           segments_of)
 from kdagen.ops import Kernels
 from kdagen.render import chunk_plan_for
 from kdagen.spec import KernelSpec
@@ -1147,6 +1148,14 @@ def test_chunk_groups_short_or_many_heads():
     assert _cg(2048, 64, 8) == 1
     assert _cg(2048, 1, 132) == 1
     assert _cg(0, 0, 0) == 1
+
+
+def test_group_starts_are_spans_of_ceil_chunks_over_groups():
+    """As chunk.h's start_of_group: 2048 chunks in 8 groups start every 256, pass one
+    covering 1792; 10 chunks in 4 groups at 0, 3, 6, 9; past the end, the end."""
+    assert [group_start(2048, 8, g) for g in range(8)] == list(range(0, 2048, 256))
+    assert [group_start(10, 4, g) for g in range(5)] == [0, 3, 6, 9, 10]
+    assert group_start(5, 8, 7) == 5
 
 
 def test_chunk_groups_long_single_sequence():
