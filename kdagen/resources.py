@@ -348,15 +348,18 @@ def pass_one_paired(chunk_size: int, wave_size: int) -> bool:
 # at 78% of peak with 28M of its 130M LDS wavefronts excess, all in the copies into padded
 # rows; timed in v21 (c16 lb): the single walk and pass two unchanged (0.526 / 0.522 ms
 # against 0.525 / 0.523), the unpaired pass one 0.614 -> 0.565, but the paired one (on)
-# 0.532 -> 0.550: no gain where it runs.
-CHUNK_SWIZZLE = False
+# 0.532 -> 0.550: no gain where it runs. On since session 37 for the walks with outputs
+# (pass one apart, below): H100, c16 lb, one-call A/B (docs/NOTES.md v33): pass two
+# 0.550 / 0.552 -> 0.522 ms at 1x32768x32, the single walk 0.559 / 0.558 -> 0.528 at
+# 8x4096x32; busy-stream graph 1.666 / 1.664 -> 1.635 and 1.185 / 1.190 -> 1.162.
+CHUNK_SWIZZLE = True
 # Pass one's tiles (NVIDIA), where they should differ from the walks with outputs': None
 # takes CHUNK_SWIZZLE. Swizzled, pass one loses its warpgroup state update (CHUNK_WG_UPDATE
 # reads a padded kg tile). The walks with outputs' copies ask the L2 for 1.5x the ideal
 # sectors into padded rows (ncu, H100, session 35: 24 sectors per 16-byte cp.async warp
 # copy against 16; DRAM moves each byte once, L2 81% busy), which the swizzled tiles
-# avoid; pass one is a register-bound chain there and keeps its update. Untimed.
-CHUNK_SWIZZLE_PASS_ONE = None
+# avoid; pass one is a register-bound chain there and keeps its update (padded, off).
+CHUNK_SWIZZLE_PASS_ONE = False
 # CDNA: on (untimed: no AMD GPU here), on compile evidence (Debian hipcc, gfx90a and gfx942
 # through gfx940, d128 / bv128, docs/BENCHMARKS.md "AMD"): at chunk 64, the CDNA default,
 # the padded walks take 255-256 VGPRs and 20-120 bytes / lane of scratch, the swizzled
