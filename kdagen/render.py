@@ -104,7 +104,8 @@ def chunk_plan_for(spec: KernelSpec) -> resources.ChunkPlan:
     return resources.chunk_plan(spec.head_dim, spec.chunk_size, spec.block_width, spec.io_dtype,
                                 t.wave_size, t.shared_mem, t.async_copy, t.cu_smem,
                                 t.block_smem_reserve, t.warpgroup_mma,
-                                resources.chunk_swizzle(t.vendor), resources.pass_one_swizzle(t.vendor))
+                                resources.chunk_swizzle(t.vendor, spec.chunk_size),
+                                resources.pass_one_swizzle(t.vendor, spec.chunk_size))
 
 
 def render(spec: KernelSpec) -> Rendered:

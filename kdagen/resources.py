@@ -349,10 +349,14 @@ def pass_one_paired(chunk_size: int, wave_size: int) -> bool:
 # rows; timed in v21 (c16 lb): the single walk and pass two unchanged (0.526 / 0.522 ms
 # against 0.525 / 0.523), the unpaired pass one 0.614 -> 0.565, but the paired one (on)
 # 0.532 -> 0.550: no gain where it runs. On since session 37 for the walks with outputs
-# (pass one apart, below): H100, c16 lb, one-call A/B (docs/NOTES.md v33): pass two
-# 0.550 / 0.552 -> 0.522 ms at 1x32768x32, the single walk 0.559 / 0.558 -> 0.528 at
-# 8x4096x32; busy-stream graph 1.666 / 1.664 -> 1.635 and 1.185 / 1.190 -> 1.162.
+# at chunk 16 (pass one apart, below): H100, c16 lb, one-call A/B (docs/NOTES.md v33):
+# pass two 0.550 / 0.552 -> 0.522 ms at 1x32768x32, the single walk 0.559 / 0.558 -> 0.528
+# at 8x4096x32; busy-stream graph 1.666 / 1.664 -> 1.635 and 1.185 / 1.190 -> 1.162.
 CHUNK_SWIZZLE = True
+# NVIDIA: the largest chunk CHUNK_SWIZZLE reaches (the one chunk size it was timed at);
+# larger chunks keep padded rows (untimed swizzled; at chunk 64 sm_90a's pass two with akk
+# goes 248 registers -> 255 and 8 bytes of spills).
+CHUNK_SWIZZLE_MAX_CHUNK = 16
 # Pass one's tiles (NVIDIA), where they should differ from the walks with outputs': None
 # takes CHUNK_SWIZZLE. Swizzled, pass one loses its warpgroup state update (CHUNK_WG_UPDATE
 # reads a padded kg tile). The walks with outputs' copies ask the L2 for 1.5x the ideal
@@ -384,19 +388,22 @@ def walk_paired(chunk_size: int, block_width: int, wave_size: int, wgmma: bool =
             and block_width % 32 == 0)
 
 
-def chunk_swizzle(vendor: str) -> bool:
+def chunk_swizzle(vendor: str, chunk_size: int) -> bool:
     """Whether the per-wave chunk scan of a ``vendor`` ("nvidia", "amd") target swizzles
     its LDS tiles instead of padding their rows (the single walk, pass two; pass one:
-    ``pass_one_swizzle``)."""
-    return CHUNK_SWIZZLE_CDNA if vendor == "amd" else CHUNK_SWIZZLE
+    ``pass_one_swizzle``): CHUNK_SWIZZLE_CDNA on AMD, CHUNK_SWIZZLE up to
+    CHUNK_SWIZZLE_MAX_CHUNK on NVIDIA."""
+    if vendor == "amd":
+        return CHUNK_SWIZZLE_CDNA
+    return CHUNK_SWIZZLE and chunk_size <= CHUNK_SWIZZLE_MAX_CHUNK
 
 
-def pass_one_swizzle(vendor: str) -> bool:
+def pass_one_swizzle(vendor: str, chunk_size: int) -> bool:
     """``chunk_swizzle`` for the grouped walk's pass one (CHUNK_SWIZZLE_PASS_ONE on NVIDIA,
-    where it is not None)."""
+    where it is not None, up to CHUNK_SWIZZLE_MAX_CHUNK)."""
     if vendor == "amd" or CHUNK_SWIZZLE_PASS_ONE is None:
-        return chunk_swizzle(vendor)
-    return CHUNK_SWIZZLE_PASS_ONE
+        return chunk_swizzle(vendor, chunk_size)
+    return CHUNK_SWIZZLE_PASS_ONE and chunk_size <= CHUNK_SWIZZLE_MAX_CHUNK
 
 
 def chunk_wgmma(head_dim: int, block_width: int, warpgroup_mma: bool) -> bool:

@@ -91,18 +91,21 @@ OTHER_LAYOUT = [PREFILL[8], PREFILL[3], PREFILL[1], PREFILL[6], PREFILL[9]]
 @needs_clang
 @pytest.mark.parametrize("case", OTHER_LAYOUT, ids=[_id(c) for c in OTHER_LAYOUT])
 def test_the_other_tile_layout_matches_the_reference(case, monkeypatch):
-    """The chunk scan with the LDS tile layout its vendor does not take by default
-    (resources.chunk_swizzle): on NVIDIA the tiles unpadded with their 16-byte pieces
-    swizzled (CHUNK_SWIZZLE), on CDNA rows padded (CHUNK_SWIZZLE_CDNA off). Copies and
-    every matrix load and store must agree on the placement, or the products read
+    """The chunk scan with the LDS tile layout its vendor and chunk size do not take by
+    default (resources.chunk_swizzle): on NVIDIA rows padded at chunk 16 (CHUNK_SWIZZLE
+    off) and the tiles unpadded with their 16-byte pieces swizzled at larger chunks
+    (CHUNK_SWIZZLE_MAX_CHUNK raised), on CDNA rows padded (CHUNK_SWIZZLE_CDNA off). Copies
+    and every matrix load and store must agree on the placement, or the products read
     another row's piece."""
     from kdagen.render import render
 
-    cdna = case[0]["target"].startswith("gfx")
-    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA" if cdna else "CHUNK_SWIZZLE", not cdna)
+    spec, _ = case
+    vendor = "amd" if spec["target"].startswith("gfx") else "nvidia"
+    other = not resources.chunk_swizzle(vendor, spec["chunk_size"])
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA" if vendor == "amd" else "CHUNK_SWIZZLE", other)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_MAX_CHUNK", 64)
     kern = check_prefill(*case)
-    want = "false" if cdna else "true"
-    assert f"kChunkSwizzle = {want};" in render(kern.spec).files["kernels.hip"]
+    assert f"kChunkSwizzle = {'true' if other else 'false'};" in render(kern.spec).files["kernels.hip"]
 
 
 @needs_clang
@@ -848,14 +851,16 @@ def test_every_group_count_matches_the_single_walk(target, pass_one_stages, pair
     workspace poisoned: a plane read before it is written shows as NaN); on sm_90 also with pass one
     buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two,
     with pass one's state and transfer rows paired in one block (PASS_ONE_PAIRED), and
-    with swizzled tiles (CHUNK_SWIZZLE, CHUNK_SWIZZLE_CDNA: set here on both vendors);
-    pass one's lead segment (PASS_ONE_LEAD: segment 0 from the true start, no transfer
+    with swizzled tiles (CHUNK_SWIZZLE, CHUNK_SWIZZLE_CDNA: set here on both vendors, pass
+    one's as the others'); pass one's lead segment (PASS_ONE_LEAD: segment 0 from the true start, no transfer
     rows) at 11 / 8 (the default), 1.5 and 5 times a segment's length, and off."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
     monkeypatch.setattr(resources, "PASS_ONE_LEAD", lead)
     monkeypatch.setattr(resources, "PASS_ONE_STAGES", pass_one_stages)
     monkeypatch.setattr(resources, "PASS_ONE_PAIRED", paired)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_PASS_ONE", None)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_MAX_CHUNK", 32)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA", swizzle)
     if pass_one_stages:
         from kdagen.render import chunk_plan_for
@@ -927,7 +932,7 @@ def test_every_group_scan_block_matches_the_single_walk(target, head_dim, monkey
 def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, width_one, monkeypatch):
     """Pass one with its state and transfer rows in one block (PASS_ONE_PAIRED) in the
     shipped chunk-16 form (u formed from v with akk; on sm_90 the d128 / bv128 variant,
-    also with swizzled tiles), and in blocks narrower than the other walks'
+    also with its tiles swizzled like the other walks'), and in blocks narrower than the other walks'
     (PASS_ONE_WIDTH): outputs and end states against the reference at 3 and 4 groups,
     outputs and the workspace poisoned."""
     from kdagen.render import render
@@ -935,6 +940,7 @@ def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, width_one, monke
     monkeypatch.setenv("KDAGEN_POISON", "1")
     monkeypatch.setattr(resources, "PASS_ONE_PAIRED", True)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", swizzle)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_PASS_ONE", None)
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA", swizzle)
     monkeypatch.setattr(resources, "PASS_ONE_WIDTH", width_one)
     C, D, H = 16, head_dim, 1
@@ -951,11 +957,11 @@ def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, width_one, monke
 
 @needs_clang
 @pytest.mark.parametrize("head_dim, block_width, swizzle, paired", [
-    (128, 128, False, True), (64, 32, True, True), (128, 128, False, False)])
+    (128, 128, True, True), (64, 32, False, True), (128, 128, False, False)])
 def test_paired_walk_rows_at_chunk_16(head_dim, block_width, swizzle, paired, monkeypatch):
     """The single walk and pass two with two 16-row tiles of V per wave (WALK_PAIRED, the
     default at chunk 16 on wave32) and with one (the form every other variant takes), in
-    the chunk-16 form (sm_90; the shipped d128 / bv128 padded, d64 / bv32 swizzled): outputs
+    the chunk-16 form (sm_90; the shipped d128 / bv128 swizzled, d64 / bv32 padded): outputs
     and end states against the float64 reference in one walk and in 3 groups, u read and
     u formed from v, then a paged cache and a mid-prefill checkpoint; outputs and
     checkpoints poisoned. A second tile that reads the first tile's u, stores over its

@@ -147,8 +147,8 @@ def test_default_constexprs():
         "kChunkUApart": "true",  # resources.CHUNK_U_APART: u = akk v beside -S w (measured faster)
         "kPassOnePaired": "false",  # resources.pass_one_paired: on (v21), but not at c64 on wave32 (spills)
         "kPassOneLead": str(resources.PASS_ONE_LEAD),  # pass one's segment 0 from X_0 (eighths of a segment)
-        "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: padded rows (swizzled tiles timed: no gain, v21)
-        "kChunkSwizzlePassOne": "false",  # resources.CHUNK_SWIZZLE_PASS_ONE: None, as CHUNK_SWIZZLE
+        "kChunkSwizzle": "false",  # resources.CHUNK_SWIZZLE: on up to chunk 16 (CHUNK_SWIZZLE_MAX_CHUNK)
+        "kChunkSwizzlePassOne": "false",  # resources.CHUNK_SWIZZLE_PASS_ONE: off (pass one padded)
         "kWalkPaired": "false",  # resources.walk_paired: on (v22), at chunk 16 only
         "kChunkWgUpdate": "false",  # resources.chunk_wg_update: on (v26), at chunk 16 only
         "kChunkWgUpdateOutputs": "false",  # resources.CHUNK_WG_UPDATE_OUTPUTS: pass one alone (session 27)
@@ -248,10 +248,13 @@ def test_warpgroup_state_update_at_chunk_16_on_hopper(spec, on):
 
 def test_warpgroup_state_update_in_pass_one_alone_by_default(monkeypatch):
     """resources.CHUNK_WG_UPDATE_OUTPUTS: the walks with outputs keep the per-wave update
-    (H100, session 27) unless it is set; pass one's update stays per warpgroup."""
+    (H100, session 27) unless it is set, and only beside padded tiles (CHUNK_SWIZZLE off);
+    pass one's update stays per warpgroup."""
     spec = dict(chunk_size=16)
     assert constexprs(kernels(spec))["kChunkWgUpdateOutputs"] == "false"
     monkeypatch.setattr(resources, "CHUNK_WG_UPDATE_OUTPUTS", True)
+    assert constexprs(kernels(spec))["kChunkWgUpdateOutputs"] == "false"  # the shipped tiles swizzled
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", False)
     assert constexprs(kernels(spec))["kChunkWgUpdateOutputs"] == "true"
     monkeypatch.setattr(resources, "CHUNK_WG_UPDATE", False)
     assert constexprs(kernels(spec))["kChunkWgUpdateOutputs"] == "false"
@@ -310,21 +313,26 @@ def test_paired_walk_rows_only_at_chunk_16_on_wave32(monkeypatch):
     assert paired(dict(chunk_size=16)) == "false"
 
 
-def test_swizzled_tiles_on_cdna_off_on_nvidia_never_with_warpgroup_products(monkeypatch):
-    """The tile layout per vendor (resources.chunk_swizzle: CHUNK_SWIZZLE on NVIDIA, off
-    until timed; CHUNK_SWIZZLE_CDNA, on) reaches the Config only for the per-wave walk,
-    and its footprint drops the padding of every 16-bit tile (the u / o one too, which the
-    warpgroup walk keeps)."""
+def test_swizzled_tiles_per_vendor_and_chunk_never_with_warpgroup_products(monkeypatch):
+    """The tile layout per vendor (resources.chunk_swizzle: CHUNK_SWIZZLE on NVIDIA up to
+    CHUNK_SWIZZLE_MAX_CHUNK, the chunk it was timed at; CHUNK_SWIZZLE_CDNA, on, at every
+    chunk) reaches the Config only for the per-wave walk, and its footprint drops the
+    padding of every 16-bit tile (the u / o one too, which the warpgroup walk keeps)."""
     swz = lambda spec: constexprs(kernels(spec))["kChunkSwizzle"]  # noqa: E731
-    assert not resources.CHUNK_SWIZZLE and resources.CHUNK_SWIZZLE_CDNA
-    assert swz(dict(chunk_size=16)) == "false"
+    assert resources.CHUNK_SWIZZLE and resources.CHUNK_SWIZZLE_CDNA
+    assert resources.CHUNK_SWIZZLE_MAX_CHUNK == 16
+    assert swz(dict(chunk_size=16)) == "true"
+    assert swz(dict(chunk_size=32)) == "false" and swz(dict(chunk_size=64)) == "false"
     for t in ("gfx90a", "gfx942", "gfx950"):
         assert swz(dict(chunk_size=64, target=t)) == "true"
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_MAX_CHUNK", 64)
+    assert swz(dict(chunk_size=64)) == "true"
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE_CDNA", False)
     assert swz(dict(chunk_size=64, target="gfx942")) == "false"
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", False)
+    assert swz(dict(chunk_size=16)) == "false"
+    assert swz(dict(chunk_size=16, target="gfx942")) == "false"
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", True)
-    assert swz(dict(chunk_size=16)) == "true"
-    assert swz(dict(chunk_size=64, target="gfx942")) == "false"
     fp = lambda **kw: resources.chunk_footprint(128, 16, 128, "bf16", 32, 2, True, **kw).shared_mem
     pad = resources.PAD_16BIT
     # w, qg, kg_t, aqk, u / o and akk: 2 stages, 2 bytes
@@ -343,18 +351,20 @@ def test_pass_one_tiles_swizzled_apart_from_the_walks_with_outputs(monkeypatch):
     cfg = lambda spec: constexprs(kernels(spec))  # noqa: E731
     keys = ("kChunkSwizzle", "kChunkSwizzlePassOne", "kChunkWgUpdate", "kChunkWgUpdateOutputs")
     pick = lambda spec: tuple(cfg(spec)[k] for k in keys)  # noqa: E731
-    assert resources.CHUNK_SWIZZLE_PASS_ONE is None
+    assert resources.CHUNK_SWIZZLE and resources.CHUNK_SWIZZLE_PASS_ONE is False
     c16 = dict(chunk_size=16)
-    assert pick(c16) == ("false", "false", "true", "false")
-    monkeypatch.setattr(resources, "CHUNK_SWIZZLE", True)
-    assert pick(c16) == ("true", "true", "false", "false")  # None: pass one as the others
-    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_PASS_ONE", False)
-    assert pick(c16) == ("true", "false", "true", "false")
+    assert pick(c16) == ("true", "false", "true", "false")  # the shipped chunk-16 layout
+    assert pick(dict(chunk_size=32)) == ("false", "false", "false", "false")  # beyond the max chunk
     monkeypatch.setattr(resources, "CHUNK_WG_UPDATE_OUTPUTS", True)
     assert pick(c16) == ("true", "false", "true", "false")  # not beside swizzled tiles
+    monkeypatch.setattr(resources, "CHUNK_WG_UPDATE_OUTPUTS", False)
+    monkeypatch.setattr(resources, "CHUNK_SWIZZLE_PASS_ONE", None)
+    assert pick(c16) == ("true", "true", "false", "false")  # None: pass one as the others
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE", False)
+    assert pick(c16) == ("false", "false", "true", "false")
     monkeypatch.setattr(resources, "CHUNK_SWIZZLE_PASS_ONE", True)
     assert pick(c16) == ("false", "true", "false", "false")
+    assert pick(dict(chunk_size=32))[1] == "false"  # pass one's switch keeps the max chunk too
     assert cfg(dict(chunk_size=64, target="gfx942"))["kChunkSwizzlePassOne"] == "true"  # CDNA: both
     t = KernelSpec.parse(c16).target_info
     plan = lambda one: resources.chunk_plan(128, 16, 128, "bf16", t.wave_size, t.shared_mem,  # noqa: E731
