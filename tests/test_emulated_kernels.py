@@ -852,8 +852,9 @@ def test_every_group_count_matches_the_single_walk(target, pass_one_stages, pair
     buffered three chunks deep (resources.PASS_ONE_STAGES) where the walk takes two,
     with pass one's state and transfer rows paired in one block (PASS_ONE_PAIRED), and
     with swizzled tiles (CHUNK_SWIZZLE, CHUNK_SWIZZLE_CDNA: set here on both vendors, pass
-    one's as the others'); pass one's lead segment (PASS_ONE_LEAD: segment 0 from the true start, no transfer
-    rows) at 11 / 8 (the default), 1.5 and 5 times a segment's length, and off."""
+    one's as the others'); pass one's lead segment (PASS_ONE_LEAD: segment 0 from the
+    true start, no transfer rows) at 11 / 8 (the default), 1.5 and 5 times a segment's
+    length, and off."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
     monkeypatch.setattr(resources, "PASS_ONE_LEAD", lead)
     monkeypatch.setattr(resources, "PASS_ONE_STAGES", pass_one_stages)
@@ -932,8 +933,8 @@ def test_every_group_scan_block_matches_the_single_walk(target, head_dim, monkey
 def test_paired_pass_one_at_chunk_16(target, head_dim, swizzle, width_one, monkeypatch):
     """Pass one with its state and transfer rows in one block (PASS_ONE_PAIRED) in the
     shipped chunk-16 form (u formed from v with akk; on sm_90 the d128 / bv128 variant,
-    also with its tiles swizzled like the other walks'), and in blocks narrower than the other walks'
-    (PASS_ONE_WIDTH): outputs and end states against the reference at 3 and 4 groups,
+    also with its tiles swizzled as the walks with outputs' are), and in blocks narrower
+    than the other walks' (PASS_ONE_WIDTH): outputs and end states against the reference at 3 and 4 groups,
     outputs and the workspace poisoned."""
     from kdagen.render import render
 
