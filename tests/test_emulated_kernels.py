@@ -345,6 +345,8 @@ resources.CHUNK_WG_UPDATE = mode != "off"
 resources.CHUNK_WG_UPDATE_OUTPUTS = mode != "p1"
 resources.PASS_ONE_WG_VNEW = mode.startswith("vnew")
 resources.PASS_ONE_WIDTH = 64 if mode == "vnew64" else 0
+if mode not in ("off", "p1"):
+    resources.CHUNK_SWIZZLE = False  # the walks with outputs take the update beside padded tiles only
 D = int(sys.argv[2])
 kern = emulated(dict(head_dim=D, chunk_size=16, block_width=D, gate="lower_bound", target="sm_90"))
 src = render(kern.spec).files["kernels.hip"]
@@ -371,8 +373,9 @@ print(*errs)
                                            ("vnew", 128), ("vnew", 64), ("vnew64", 128)])
 def test_warpgroup_state_update_matches_the_reference(mode, head_dim, emulate_cache):
     """The sm_90 walks at chunk 16 with their state update as warpgroup products
-    (resources.CHUNK_WG_UPDATE, on: in every walk, CHUNK_WG_UPDATE_OUTPUTS; p1: in pass
-    one alone, the default) and without (off), and with pass one's v_new products
+    (resources.CHUNK_WG_UPDATE, on: in every walk, CHUNK_WG_UPDATE_OUTPUTS, whose tiles
+    are then padded; p1: in pass one alone, the default, beside the swizzled tiles of the
+    walks with outputs) and without (off), and with pass one's v_new products
     per warpgroup too (PASS_ONE_WG_VNEW; vnew64: in blocks of 64 rows, PASS_ONE_WIDTH),
     in a process of its own, copies landing as late as cp.async allows, workspace
     poisoned: the single walk, pass one per
