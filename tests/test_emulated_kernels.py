@@ -345,14 +345,15 @@ resources.CHUNK_WG_UPDATE = mode != "off"
 resources.CHUNK_WG_UPDATE_OUTPUTS = mode != "p1"
 resources.PASS_ONE_WG_VNEW = mode.startswith("vnew")
 resources.PASS_ONE_WIDTH = 64 if mode == "vnew64" else 0
-if mode not in ("off", "p1"):
-    resources.CHUNK_SWIZZLE = False  # the walks with outputs take the update beside padded tiles only
+outputs_update = mode not in ("off", "p1")  # the walks with outputs' update per warpgroup too
+if outputs_update:
+    resources.CHUNK_SWIZZLE = False  # (beside padded tiles only)
 D = int(sys.argv[2])
 kern = emulated(dict(head_dim=D, chunk_size=16, block_width=D, gate="lower_bound", target="sm_90"))
 src = render(kern.spec).files["kernels.hip"]
 assert f"kChunkWgUpdate = {'true' if mode != 'off' else 'false'};" in src
 assert f"kPassOneWgVnew = {'true' if mode.startswith('vnew') else 'false'};" in src
-assert f"kChunkWgUpdateOutputs = {'true' if mode not in ('off', 'p1') else 'false'};" in src
+assert f"kChunkWgUpdateOutputs = {'true' if outputs_update else 'false'};" in src
 x = make_inputs([1, 15, 17, 37, 115], 2, D, device="cpu", gate="lower_bound", seed=16)
 init = torch.randn(5, 2, D, D, generator=torch.Generator().manual_seed(2)) * 0.1
 o_ref, s_ref, _ = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
