@@ -559,7 +559,9 @@ def test_prologue_valid(gpu):
     assert {k: tuple(v.shape) for k, v in ws.items()} == {
         "qg": _pq, "w": _pq, "u": _pq, "kg_t": (NCHUNKS, PH, D, C), "aqk": (1, T, PH, C),
         "decay": (NCHUNKS, PH, D)}
-    assert ws["decay"].dtype == F32 and ws["qg"].dtype == BF
+    assert list(ws) == ["qg", "w", "u", "kg_t", "aqk", "decay"]  # the seed's order
+    assert {k: v.dtype for k, v in ws.items()} == {
+        "qg": BF, "w": BF, "u": BF, "kg_t": BF, "aqk": BF, "decay": F32}
     call = fake.calls[0]
     assert call[14].tolist() == prepare_chunk_indices(a["cu_seqlens"], C).tolist()
     assert call[15] is None and call[16] is None and call[20] == 0.0
@@ -942,6 +944,63 @@ def test_chunk_seed_state_cache_errors(monkeypatch, with_gpu_patch, override, ms
     assert type(ei.value) is ValueError and "state_cache" in str(ei.value)
     assert not fake.calls
     assert_untouched(a, snap)
+
+
+# -- the seed's signatures --
+
+# The production wrapper's parameters (seed API page), in order, with defaults ("-": none).
+SEED_CHUNK = [
+    ("qg", "-"), ("w", "-"), ("u", "-"), ("kg_t", "-"), ("aqk", "-"), ("decay", "-"), ("out", "-"),
+    ("scale", "-"), ("cu_seqlens", "-"), ("initial_state", "-"), ("output_final_state", "-"),
+    ("chunk_offsets", None), ("checkpoint_state", None), ("checkpoint_offsets", None),
+    ("checkpoint_state_indices", None), ("state_cache", None), ("state_indices", None),
+    ("has_initial_state", None),
+]
+SEED_PROLOGUE = [
+    ("q", "-"), ("k", "-"), ("v", "-"), ("raw_g", "-"), ("raw_beta", "-"), ("A_log", "-"),
+    ("dt_bias", "-"), ("scale", "-"), ("lower_bound", "-"), ("cu_seqlens", "-"),
+    ("conv_weight", None), ("conv_state", None), ("conv_state_indices", None),
+    ("conv_has_initial_state", None), ("chunk_indices", None),
+]
+
+
+@pytest.mark.parametrize("op, seed, extras", [
+    ("fused_kda_chunk", SEED_CHUNK, {"groups", "segments", "akk"}),
+    ("fused_kda_prologue", SEED_PROLOGUE, {"defer_u"}),
+])
+def test_prefill_ops_take_the_seeds_positional_parameters(op, seed, extras):
+    """A call written for the wrapper binds the same way here: the seed's parameters in its
+    order with its defaults, and kdagen's additions keyword-only (so they cannot shift a
+    positional call)."""
+    import inspect
+
+    params = list(inspect.signature(getattr(Kernels, op)).parameters.values())[1:]  # past self
+    positional = [(p.name, "-" if p.default is inspect.Parameter.empty else p.default)
+                  for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == seed
+    assert {p.name for p in params if p.kind == p.KEYWORD_ONLY} == extras
+    assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+
+
+def test_chunk_binds_a_call_with_every_argument_by_position(gpu):
+    """The wrapper's 18 arguments by position (paged cache and checkpoints given) reach the
+    kernel as the same call by keyword does."""
+    extra = {**cache_extra(), **ckpt_extra(indexed=True)}
+    kern, fake = make_kernels()
+    by_name = run_ok(kern.fused_kda_chunk, fake, chunk_args(**extra))
+    kern2, fake2 = make_kernels()
+    b = chunk_args(**extra)
+    by_position = kern2.fused_kda_chunk(*[b.get(name) for name, _ in SEED_CHUNK])
+    assert len(fake2.calls) == 1
+    assert by_position[0] is b["out"] and by_position[1] is None and by_name[1] is None
+    assert len(fake.calls[0]) == len(fake2.calls[0])
+    for x, y in zip(fake.calls[0], fake2.calls[0]):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype
+            if x.dtype in (I32, I64, torch.bool):
+                assert torch.equal(x, y)
+        else:
+            assert x == y
 
 
 # -- valid chunk calls --
