@@ -679,6 +679,33 @@ def test_paged_cache_and_checkpoints(target, D, C, groups, monkeypatch):
 
 
 @needs_clang
+@pytest.mark.parametrize("groups", [1, 3])
+def test_checkpoint_rows_by_index(groups, monkeypatch):
+    """Checkpoints into rows named by checkpoint_state_indices (the seed's paged form):
+    each sequence's snapshot lands in its own row, a negative row disables the export of a
+    sequence whose offset is set, and the rows nobody names stay as they were."""
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    C, D, H = 32, 64, 2
+    kern = emulated(head_dim=D, chunk_size=C, target="sm_90")
+    x = make_inputs([C * 3 + 3, 2 * C + 7, C + 1], H, D, device="cpu", seed=23)
+    offs = torch.tensor([C * 2, C * 2, C], dtype=torch.int32)
+    rows = torch.tensor([3, -1, 0], dtype=torch.int32)
+    p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens)
+    ck = torch.full((5, H, D, D), float("nan"))
+    out, fin = kern.fused_kda_chunk(*(p[k] for k in OPS), torch.full_like(p["u"], float("nan")), None,
+                                    x.cu_seqlens, None, True, checkpoint_state=ck,
+                                    checkpoint_offsets=offs, checkpoint_state_indices=rows,
+                                    groups=groups)
+    o_ref, s_ref, ck_ref = ref.recurrent_kda_reference(*x.args(), lower_bound=x.lower_bound,
+                                                       cu_seqlens=x.cu_seqlens,
+                                                       checkpoint_offsets=offs)
+    assert rel_err(out, o_ref) < BF16_TOL and rel_err(fin, s_ref) < BF16_TOL
+    assert rel_err(ck[3], ck_ref[0]) < BF16_TOL
+    assert rel_err(ck[0], ck_ref[2]) < BF16_TOL
+    assert torch.isnan(ck[[1, 2, 4]]).all()  # sequence 1's row is -1: no export anywhere
+
+
+@needs_clang
 @pytest.mark.parametrize("target,D,C", [("sm_90", 64, 32), ("gfx90a", 64, 32), ("gfx942", 128, 64)])
 def test_fused_conv(target, D, C):
     W, H = 4, 2
