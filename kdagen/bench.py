@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -50,12 +51,17 @@ class Row:
     graph_ms: float | None = None  # kdagen's calls replayed from CUDA graphs: device time
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+def parse_shapes(text: str, flag: str = "shapes") -> list[tuple[int, int, int]]:
+    """``NxT:H,...`` (sequences x tokens each : heads) as (N, T, H) triples; ``flag`` names
+    the argument in the error."""
     out = []
     for item in text.split(","):
-        nt, h = item.strip().split(":")
-        n, t = nt.split("x")
-        out.append((int(n), int(t), int(h)))
+        m = re.fullmatch(r"\s*(\d+)x(\d+):(\d+)\s*", item)
+        if not m or min(int(x) for x in m.groups()) < 1:
+            raise ValueError(f"{flag}: {item.strip()!r} is not a shape; write NxT:H (sequences x "
+                             "tokens each : heads, positive integers), comma separated, e.g. "
+                             "1x32768:32,8x4096:32")
+        out.append(tuple(int(x) for x in m.groups()))
     return out
 
 
@@ -361,21 +367,50 @@ META_KEYS = ("date", "commit", "gpu", "cus", "torch", "copy_gbps", "bf16_tflops"
 
 def _merge_file(path: str) -> tuple[dict, list[Row]]:
     """One ``--json`` file's meta and rows; ValueError naming what is missing or wrong."""
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a `kdagen bench --json` file (not JSON: {e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) \
             or not isinstance(data.get("rows"), list):
         raise ValueError(f"{path}: not a `kdagen bench --json` file (no meta / rows)")
     missing = [k for k in META_KEYS if k not in data["meta"]]
     if missing:
         raise ValueError(f"{path}: meta lacks {', '.join(missing)}: not a `kdagen bench --json` file")
+    for k in META_KEYS:
+        want = (int, float) if k in ("cus", "copy_gbps", "bf16_tflops") else str
+        v = data["meta"][k]
+        if isinstance(v, bool) or not isinstance(v, want):
+            raise ValueError(f"{path}: meta {k} = {v!r} is not a {'number' if want != str else 'string'}")
     rows = []
     for i, r in enumerate(data["rows"]):
         try:
             rows.append(Row(**r))
         except TypeError as e:  # a missing or unknown field
             raise ValueError(f"{path}: row {i}: {e}") from None
+        bad = _row_type_error(rows[-1])
+        if bad:
+            raise ValueError(f"{path}: row {i}: {bad}")
     return data["meta"], rows
+
+
+def _row_type_error(row: Row) -> str | None:
+    """What in a row read back from JSON has the wrong type (None: nothing)."""
+    for f in fields(Row):
+        v = getattr(row, f.name)
+        kind = str(f.type)
+        if v is None and "None" in kind:
+            continue
+        if f.name == "notes":
+            ok = isinstance(v, list) and all(isinstance(n, str) for n in v)
+        elif kind.startswith("str"):
+            ok = isinstance(v, str)
+        else:  # int / float fields
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok:
+            return f"{f.name} = {v!r} is not a {kind}"
+    return None
 
 
 def merge_results(paths: list[str]) -> tuple[list[Row], dict]:
@@ -406,17 +441,33 @@ def merge_results(paths: list[str]) -> tuple[list[Row], dict]:
     return list(merged.values()), meta
 
 
+def _need_matplotlib(plot_path: str | None) -> None:
+    """--plot draws with matplotlib, not a kdagen dependency: refuse before any timing."""
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RuntimeError(f"--plot {plot_path}: the plot needs matplotlib, which is not "
+                               "installed (pip install matplotlib), or leave --plot out") from None
+
+
 def main(ns: argparse.Namespace) -> int:
+    _need_matplotlib(ns.plot)
     if getattr(ns, "merge", None):
         rows, meta = merge_results([p.strip() for p in ns.merge.split(",") if p.strip()])
         print(table(rows, meta))
         write_results(rows, meta, ns.markdown, ns.json, ns.plot)
         return 0
+    gates = tuple(g.strip() for g in (ns.gates or "lower_bound,softplus").split(",") if g.strip())
+    unknown = [g for g in gates if g not in ("lower_bound", "softplus")]
+    if not gates or unknown:
+        raise ValueError(f"--gates {ns.gates!r}: name lower_bound and / or softplus, comma separated")
+    shapes = parse_shapes(ns.shapes or DEFAULT_SHAPES, flag="--shapes")
+    if ns.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {ns.reps}")
     if not torch.cuda.is_available():
-        print("kdagen: error: bench needs a GPU (torch.cuda.is_available() is False)")
-        return 1
-    gates = tuple(g.strip() for g in (ns.gates or "lower_bound,softplus").split(","))
-    rows, meta = run(parse_shapes(ns.shapes or DEFAULT_SHAPES), ns.reps, gates,
+        raise RuntimeError("bench needs a GPU (torch.cuda.is_available() is False)")
+    rows, meta = run(shapes, ns.reps, gates,
                      getattr(ns, "chunk_size", "auto"),
                      on_row=lambda rs, m: write_results(rs, m, ns.markdown, ns.json, ns.plot))
     print()

@@ -334,11 +334,27 @@ def _ninja() -> str:
 HEARTBEAT_S = 20.0
 
 
+def parallel_jobs(jobs: int | None) -> int:
+    """Ninja's -j: ``jobs`` (``-j`` / ``--jobs``, >= 1), else KDAGEN_JOBS, else 0 (ninja's
+    own default); a BuildError for a setting that is not a whole number."""
+    if jobs is not None:
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise BuildError(f"-j / --jobs {jobs!r}: parallel compile jobs must be a whole number >= 1")
+        return jobs
+    text = os.environ.get("KDAGEN_JOBS", "").strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise BuildError(f"KDAGEN_JOBS={text!r}: parallel compile jobs must be a whole number "
+                         "(unset or 0: ninja's default)")
+    return int(text)
+
+
 def run_ninja(ninja_file: Path, log_path: Path, *, verbose: bool, jobs: int | None, what: str) -> None:
     cmd = [_ninja(), "-f", str(ninja_file)]
     if verbose:
         cmd.append("-v")
-    jobs = jobs or int(os.environ.get("KDAGEN_JOBS", "0") or 0)
+    jobs = parallel_jobs(jobs)
     if jobs:
         cmd += ["-j", str(jobs)]
     env = dict(os.environ)
@@ -394,6 +410,7 @@ def build_many(specs: Iterable[KernelSpec], mode: Mode = "full", *, verbose: boo
     verbose = verbose_default() if verbose is None else verbose
     if force is None:
         force = os.environ.get("KDAGEN_REBUILD", "") not in ("", "0")
+    jobs = parallel_jobs(jobs) or None  # a bad setting refused before any entry is touched
     entries = [plan(s, mode) for s in specs]
     todo = [e for e in entries if force or e.problem() is not None]
     if not todo:

@@ -28,26 +28,33 @@ DEFAULT_SPEC_NOTE = "SPEC.yaml: a spec file (see examples/default.yaml); omitted
 
 
 def _specs(path: str | None, arch: list[str] | None):
-    from .spec import KernelSpec, SpecError
+    """The spec file's (or the default) spec, once per target of ``--arch`` / KDAGEN_ARCH,
+    each validated with its target in place of the file's."""
+    from .spec import KernelSpec, SpecError, spec_with_target
 
-    spec = KernelSpec.from_yaml(path) if path else KernelSpec.parse({})
-    archs = _arch_list(arch)
+    archs, origin = _arch_list(arch)
     if not archs:
-        return [spec]
+        return [KernelSpec.from_yaml(path) if path else KernelSpec.parse({})]
     out = []
     for a in archs:
         try:
-            out.append(spec.with_target(a))
+            out.append(spec_with_target(path, a))
         except SpecError as e:
-            raise SpecError(f"--arch {a}: {e}") from None
+            raise SpecError(f"{origin} {a}: {e}") from None
     return out
 
 
-def _arch_list(arch: list[str] | None) -> list[str]:
-    items = arch or []
-    if not items and os.environ.get("KDAGEN_ARCH"):
-        items = [os.environ["KDAGEN_ARCH"]]
-    return [a.strip() for item in items for a in item.split(",") if a.strip()]
+def _arch_list(arch: list[str] | None) -> tuple[list[str], str]:
+    """The targets asked for and where they came from (``--arch`` or ``KDAGEN_ARCH``);
+    an ``--arch`` that names none is an error."""
+    if arch:
+        items = [a.strip() for item in arch for a in item.split(",") if a.strip()]
+        if not items:
+            raise ValueError(f"--arch {' '.join(map(repr, arch))} names no target; "
+                             "e.g. --arch gfx942,sm_90 (`kdagen targets` lists them)")
+        return items, "--arch"
+    env = os.environ.get("KDAGEN_ARCH", "")
+    return [a.strip() for a in env.split(",") if a.strip()], "KDAGEN_ARCH"
 
 
 def cmd_build(ns: argparse.Namespace) -> int:
@@ -176,9 +183,13 @@ def cmd_tune(ns: argparse.Namespace) -> int:
 
     from .bench import DEFAULT_SHAPES, parse_shapes
     from .jit import device_target
-    from .spec import spec_from_any
+    from .spec import load_yaml
 
-    base = spec_from_any(ns.spec) if ns.spec else None
+    raw = load_yaml(Path(ns.spec)) if ns.spec else {}  # validated below for this GPU's target
+    if not isinstance(raw, dict):
+        from .spec import KernelSpec
+
+        KernelSpec.parse(raw, source=ns.spec)  # refuses it: not a mapping
     if ns.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {ns.reps}")
     try:
@@ -193,23 +204,41 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         raise ValueError("--block-widths and --chunk-sizes are tuned in separate runs: pass one")
     if len(set(chunks)) != len(chunks) or len(chunks) == 1:
         raise ValueError(f"--chunk-sizes needs two or more different sizes, got {ns.chunk_sizes!r}")
-    gates = ([g.strip() for g in ns.gates.split(",") if g.strip()] if ns.gates
-             else [base.gate if base else "softplus"])
+    gates = [g.strip() for g in ns.gates.split(",") if g.strip()] if ns.gates is not None else []
+    if ns.gates is not None and not gates:
+        raise ValueError(f"--gates {ns.gates!r} names no gate; e.g. --gates lower_bound,softplus")
+    gates = gates or [raw.get("gate", "softplus")]
+    shapes = parse_shapes(ns.shapes or DEFAULT_SHAPES, flag="--shapes")
+    import torch
+
+    no_gpu = ("kdagen tune times kernels on this machine's GPU and there is none "
+              "(torch.cuda.is_available() is False); `kdagen build --compile-only` builds "
+              "without one")
+    try:
+        target = device_target()  # KDAGEN_ARCH, else the GPU's
+    except RuntimeError:
+        if torch.cuda.is_available():
+            raise  # a GPU kdagen has no target for
+        raise RuntimeError(no_gpu) from None
     from .spec import KernelSpec
 
+    source = ns.spec or "spec"
     for gate in gates:  # refuse a bad gate, width or chunk size before anything is timed
         for w in widths or [None]:
             for c in chunks or [None]:
-                KernelSpec.parse((base.canonical() if base else {}) | {"target": device_target(), "gate": gate}
-                                 | ({"block_width": w} if w else {}) | ({"chunk_size": c} if c else {}))
+                KernelSpec.parse(raw | {"target": target, "gate": gate}
+                                 | ({"block_width": w} if w else {}) | ({"chunk_size": c} if c else {}),
+                                 source=source)
+    if not torch.cuda.is_available():
+        raise RuntimeError(no_gpu)
     for gate in gates:
-        for n, t, h in parse_shapes(ns.shapes or DEFAULT_SHAPES):
-            fields = (base.canonical() if base else {}) | {"target": device_target(), "gate": gate}
+        for n, t, h in shapes:
+            fields = raw | {"target": target, "gate": gate}
             if chunks:
                 kerns = [kdagen.load(fields | {"chunk_size": c}) for c in chunks]
                 autotune.tune_chunk_size(kerns, n, h, t, reps=ns.reps)
                 continue
-            chunks_per_seq = -(-t // fields.get("chunk_size", 64))
+            chunks_per_seq = -(-t // KernelSpec.parse(fields, source=source).chunk_size)
             if widths:
                 kerns = [kdagen.load(fields | {"block_width": w}) for w in widths]
                 autotune.tune_block_width(kerns, n, h, chunks_per_seq, reps=ns.reps)

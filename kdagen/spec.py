@@ -44,6 +44,15 @@ class KernelSpec(BaseModel):
     target: str = "sm_90"
     ops: tuple[OpName, ...] = ALL_OPS
 
+    @field_validator("head_dim", "chunk_size", "block_width", "conv_width", mode="before")
+    @classmethod
+    def _an_integer(cls, v: Any) -> Any:
+        # pydantic's lax mode would take block_width: '64' and conv_width: false (but not
+        # head_dim: '128'); a YAML integer, or a float with an integer value, is what we take
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError(f"must be an integer, got {type(v).__name__}")
+        return int(v)
+
     @field_validator("target")
     @classmethod
     def _known_target(cls, v: str) -> str:
@@ -231,6 +240,21 @@ def _describe(err: ValidationError, source: str) -> str:
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         lines.append(f"field {field!r}{shown}: {msg}")
     return f"{source}: invalid spec: " + "; ".join(lines)
+
+
+def spec_with_target(spec: "KernelSpec | dict | str | Path | None", target: str) -> KernelSpec:
+    """``spec`` (a spec object, a mapping, a YAML path; None: the default spec) validated
+    for ``target``, the target replaced before validation: a file whose own target could
+    not take it (head_dim 256 on sm_90, the default) is judged on ``target`` alone."""
+    if isinstance(spec, KernelSpec):
+        fields, source = spec.canonical(), "spec"
+    elif isinstance(spec, (str, Path)):
+        fields, source = load_yaml(Path(spec)), str(spec)
+    else:
+        fields, source = ({} if spec is None else spec), "spec"
+    if not isinstance(fields, dict):
+        return KernelSpec.parse(fields, source=source)  # refused: not a mapping
+    return KernelSpec.parse({**fields, "target": target}, source=source)
 
 
 def spec_from_any(spec: "KernelSpec | dict | str | Path") -> KernelSpec:

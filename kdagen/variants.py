@@ -29,14 +29,23 @@ class Expansion:
     pruned: list[tuple[dict[str, Any], str]]  # (fields, reason)
 
 
-def expand(grid: dict[str, Any], *, pattern: str | None = None, source: str = "grid") -> Expansion:
-    """Expand a grid (or ``grids:``, a list of grids whose union is taken)."""
+def expand(grid: dict[str, Any], *, pattern: str | None = None, source: str = "grid",
+           nested: bool = False, outer: str | None = None) -> Expansion:
+    """Expand a grid (or ``grids:``, a list of grids whose union is taken). A variant is
+    kept where its name matches ``pattern`` (the command line's) or else the file-wide
+    filter (a lone grid's ``filter``, or the one beside ``grids``: ``outer`` for a
+    ``nested`` grid), and a nested grid's own ``filter`` as well. Field names the spec
+    does not have are errors, not prunings."""
     if isinstance(grid, dict) and "grids" in grid:
-        if set(grid) - {"grids", "filter"} or not isinstance(grid["grids"], list):
-            raise SpecError(f"{source}: 'grids' must be a list of grids (and only 'filter' beside it)")
+        if set(grid) - {"grids", "filter"} or not isinstance(grid["grids"], list) or not grid["grids"]:
+            raise SpecError(f"{source}: 'grids' must be a list of grids (and only 'filter' beside "
+                            "it), not empty")
+        top = grid.get("filter")
+        if top is not None and not isinstance(top, str):
+            raise SpecError(f"{source}: 'filter' must be a name pattern string, got {top!r}")
         specs, pruned, seen = [], [], set()
         for i, sub in enumerate(grid["grids"]):
-            e = expand(sub, pattern=pattern or grid.get("filter"), source=f"{source}: grids[{i}]")
+            e = expand(sub, pattern=pattern, source=f"{source}: grids[{i}]", nested=True, outer=top)
             pruned += e.pruned
             for s in e.specs:
                 if s.uri not in seen:
@@ -50,16 +59,27 @@ def expand(grid: dict[str, Any], *, pattern: str | None = None, source: str = "g
     if unknown:
         raise SpecError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}; a grid file has "
                         "'base', 'grid' and 'filter'")
-    base = grid.get("base") or {}
-    axes = grid.get("grid") or {}
+    if "grid" not in grid and "base" not in grid:
+        raise SpecError(f"{source}: a grid file needs 'grid', a mapping of spec fields to lists of "
+                        "values, or 'base' alone for one variant; an empty grid names none")
+    base = grid.get("base", {})
+    axes = grid.get("grid", {})
     if not isinstance(base, dict) or not isinstance(axes, dict):
         raise SpecError(f"{source}: 'base' and 'grid' must be mappings")
+    known = KernelSpec.model_fields
+    for where, keys in (("base", base), ("grid", axes)):
+        unknown_fields = [k for k in keys if k not in known]
+        if unknown_fields:
+            raise SpecError(f"{source}: {where} field(s) {', '.join(map(repr, unknown_fields))} are "
+                            f"not spec fields; known fields: {', '.join(known)}")
     for key, values in axes.items():
         if not isinstance(values, list) or not values:
             raise SpecError(f"{source}: grid field {key!r} must be a non-empty list, got {values!r}")
-    pattern = pattern or grid.get("filter")
-    if pattern is not None and not isinstance(pattern, str):
-        raise SpecError(f"{source}: 'filter' must be a name pattern string, got {pattern!r}")
+    own = grid.get("filter")
+    if own is not None and not isinstance(own, str):
+        raise SpecError(f"{source}: 'filter' must be a name pattern string, got {own!r}")
+    # the command line's pattern replaces the file-wide filter; a nested grid's own stays
+    patterns = [p for p in ([pattern or outer, own] if nested else [pattern or own]) if p]
     names = list(axes)
     specs: list[KernelSpec] = []
     pruned: list[tuple[dict[str, Any], str]] = []
@@ -71,7 +91,7 @@ def expand(grid: dict[str, Any], *, pattern: str | None = None, source: str = "g
         except SpecError as e:
             pruned.append((fields, str(e).split("invalid spec: ", 1)[-1]))
             continue
-        if pattern and not fnmatch.fnmatch(spec.name, pattern):
+        if not all(fnmatch.fnmatch(spec.name, p) for p in patterns):
             continue
         if spec.uri not in seen:
             seen.add(spec.uri)

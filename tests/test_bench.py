@@ -232,3 +232,89 @@ def test_profile_breakdown_names_walks_and_rates_them():
     assert rates["chunk_kernel[pass two: mode 2 akk]"] == pytest.approx(1376 * 32768 * 32 / 0.444e-3 / 1e9)
     assert pb.kernel_rates({"chunk_kernel[single walk: mode 0 akk]": 0.451}, 8, 4096, 32, 16, 1) == {
         "chunk_kernel[single walk: mode 0 akk]": pytest.approx(1376 * 8 * 4096 * 32 / 0.451e-3 / 1e9)}
+
+
+def _bench_file(tmp_path, name="lb.json", **meta_change):
+    meta = dict(date="2026-12-05", commit="abc", gpu="GPU", cus=132, torch="2.11", copy_gbps=4200,
+                bf16_tflops=744, chunk="16") | meta_change
+    row = bench.Row("8x4096x32", "lower_bound", 1 << 20, 16, 1, 1.1, 0.6, 0.5, 4.4, 0.75,
+                    *bench.traffic(1 << 20, 16), 6e-3)
+    path = tmp_path / name
+    bench.write_results([row], meta, json_path=str(path))
+    return path
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: "not json {", r"bad\.json: not a `kdagen bench --json` file \(not JSON"),
+    (lambda d: d | {"meta": d["meta"] | {"date": 5}}, r"bad\.json: meta date = 5 is not a string"),
+    (lambda d: d | {"meta": d["meta"] | {"copy_gbps": "x"}}, r"bad\.json: meta copy_gbps = 'x' is not a number"),
+    (lambda d: d | {"rows": [d["rows"][0] | {"kdagen_ms": "1.1"}]}, r"bad\.json: row 0: kdagen_ms = '1\.1' is not a float"),
+    (lambda d: d | {"rows": [d["rows"][0] | {"notes": "x"}]}, r"bad\.json: row 0: notes = 'x'"),
+    (lambda d: d | {"rows": [d["rows"][0] | {"fla_ms": True}]}, r"bad\.json: row 0: fla_ms = True"),
+])
+def test_merge_refuses_a_damaged_file_by_name(tmp_path, edit, message):
+    """A file --merge cannot use is named with what is wrong (no later format error)."""
+    import json
+
+    good = _bench_file(tmp_path)
+    data = edit(json.loads(good.read_text()))
+    (tmp_path / "bad.json").write_text(data if isinstance(data, str) else json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        bench.merge_results([str(good), str(tmp_path / "bad.json")])
+
+
+def test_a_row_read_back_keeps_its_none_fields(tmp_path):
+    path = _bench_file(tmp_path)
+    rows, _ = bench.merge_results([str(path)])
+    assert rows[0].graph_ms is None and rows[0].notes == []
+
+
+@pytest.mark.parametrize("text", ["1x2", "ax2:3", "1x2:0", "1x2:3,", "2:3", "1x2:3:4"])
+def test_shapes_that_are_not_nxt_h_are_refused_by_flag(text):
+    with pytest.raises(ValueError, match=r"^--shapes: .* is not a shape; write NxT:H"):
+        bench.parse_shapes(text, flag="--shapes")
+
+
+def test_shapes_parse():
+    assert bench.parse_shapes(" 1x32768:32, 8x4096:32") == [(1, 32768, 32), (8, 4096, 32)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gates", ","], "--gates ','"),
+    (["--gates", "lower_bound,sigmoid"], "--gates 'lower_bound,sigmoid'"),
+    (["--shapes", "1x2"], "--shapes: '1x2' is not a shape"),
+    (["--reps", "0"], "--reps must be >= 1"),
+    ([], "bench needs a GPU"),
+])
+def test_cli_bench_refuses_bad_arguments_on_stderr(monkeypatch, capsys, argv, message):
+    """Before anything is timed, and on stderr like every other command's errors."""
+    import torch
+
+    from kdagen.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("timed a bad request"))
+    assert main(["bench", *argv]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("kdagen: error: ") and message in err
+
+
+def test_cli_bench_plot_without_matplotlib_is_refused_first(tmp_path, monkeypatch, capsys):
+    import builtins
+
+    from kdagen.cli import main
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    path = _bench_file(tmp_path)
+    assert main(["bench", "--merge", str(path), "--plot", str(tmp_path / "p.png"),
+                 "--markdown", str(tmp_path / "m.md")]) == 1
+    err = capsys.readouterr().err
+    assert "the plot needs matplotlib" in err and "pip install matplotlib" in err
+    assert not (tmp_path / "m.md").exists()  # refused before anything was written

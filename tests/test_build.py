@@ -637,6 +637,25 @@ def test_kdagen_rebuild_forces_a_rebuild(fake_cc, monkeypatch):
     assert fake_cc.starts == 3
 
 
+@pytest.mark.parametrize("env, jobs, message", [
+    ("abc", None, "KDAGEN_JOBS='abc': parallel compile jobs must be a whole number"),
+    ("-2", None, "KDAGEN_JOBS='-2'"),
+    ("", 0, "-j / --jobs 0: parallel compile jobs must be a whole number >= 1"),
+    ("", -1, "-j / --jobs -1"),
+])
+def test_a_bad_job_count_is_refused_before_the_cache_is_touched(fake_cc, monkeypatch, env, jobs, message):
+    """A forced rebuild with a bad -j / KDAGEN_JOBS keeps the built entry it would have
+    invalidated."""
+    e = build(spec(), "objects")
+    monkeypatch.setenv("KDAGEN_JOBS", env)
+    with pytest.raises(BuildError, match=re.escape(message)):
+        build(spec(), "objects", force=True, jobs=jobs)
+    assert e.problem() is None and fake_cc.starts == 1
+    monkeypatch.setenv("KDAGEN_JOBS", "0")  # ninja's own default
+    build(spec(), "objects", force=True)
+    assert fake_cc.starts == 2
+
+
 def test_build_many_one_graph(fake_cc, cache):
     a, b = spec(), spec(gate="lower_bound")
     ea, eb = build_many([a, b, a], "objects")[:2]

@@ -361,6 +361,18 @@ def test_non_mapping_refused(data, kind):
     assert msg == f"spec: a spec is a mapping of fields, got {kind}"
 
 
+@pytest.mark.parametrize("field, value, kind", [
+    ("block_width", "64", "str"), ("head_dim", "128", "str"), ("chunk_size", "32", "str"),
+    ("conv_width", False, "bool"), ("block_width", True, "bool"), ("head_dim", 128.5, "float"),
+    ("chunk_size", None, "NoneType"),
+])
+def test_integer_fields_take_integers_only(field, value, kind):
+    """pydantic's lax mode would turn block_width: '64' into 64 and conv_width: false into
+    0 (while refusing head_dim: '128'); every integer field refuses them alike."""
+    msg = refusal({field: value})
+    assert f"field {field!r} = {value!r}: must be an integer, got {kind}" in msg
+
+
 def test_float_head_dim_gets_the_same_default_block_width():
     assert KernelSpec.parse({"head_dim": 128.0}) == KernelSpec.parse({"head_dim": 128})
     assert KernelSpec.parse({"head_dim": 64.0}) == KernelSpec.parse({"head_dim": 64})

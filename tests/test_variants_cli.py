@@ -4,6 +4,7 @@ command here builds or compiles anything."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,38 @@ def test_bad_grids(grid, expected):
         expand(grid)
     assert expected in str(exc.value)
     assert str(exc.value).startswith("grid: ")
+
+
+@pytest.mark.parametrize("grid, expected", [
+    ({"grid": {"headdim": [64]}}, "grid field(s) 'headdim' are not spec fields"),
+    ({"base": {"chunksize": 16}, "grid": {"head_dim": [64]}}, "base field(s) 'chunksize' are not spec fields"),
+    ({"grids": [{"grid": {"head_dim": [64]}}, {"grid": {"headdim": [128]}}]},
+     "grids[1]: grid field(s) 'headdim' are not spec fields"),
+    ({}, "a grid file needs 'grid'"),
+    ({"grid": None}, "'base' and 'grid' must be mappings"),
+    ({"base": None}, "'base' and 'grid' must be mappings"),
+])
+def test_a_misspelled_field_or_an_empty_grid_is_an_error_not_a_pruning(grid, expected):
+    with pytest.raises(SpecError) as exc:
+        expand(grid)
+    assert expected in str(exc.value)
+
+
+def test_a_sub_grids_own_filter_stands_beside_the_top_level_one():
+    g = {"grids": [{"grid": {"head_dim": [64, 128]}, "filter": "*_d64_*"},
+                   {"grid": {"head_dim": [64, 128], "gate": ["lower_bound"]}}],
+         "filter": "*_sm90"}
+    assert names(expand(g)) == ["kda_d64_c64_bv64_bf16_sm90", "kda_d64_c64_bv64_bf16_lb_sm90",
+                                "kda_d128_c64_bv128_bf16_lb_sm90"]
+    # the command line's pattern replaces the top-level filter, not the sub-grid's
+    assert names(expand(g, pattern="*_lb_*")) == ["kda_d64_c64_bv64_bf16_lb_sm90",
+                                                  "kda_d128_c64_bv128_bf16_lb_sm90"]
+
+
+def test_an_empty_grid_file_is_an_error(tmp_path):
+    p = write(tmp_path, "g.yaml", "# nothing\n")
+    with pytest.raises(SpecError, match=f"^{re.escape(str(p))}: a grid file needs 'grid'"):
+        expand_file(p)
 
 
 def test_bad_grid_file_names_the_file(tmp_path):
@@ -353,6 +386,32 @@ def test_arch_makes_spec_impossible(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "render", str(p), "-o", str(tmp_path / "o"), "--arch", "gfx942")
     assert rc == 1
     assert_one_paragraph_error(err, "--arch gfx942", "101120 bytes of shared memory")
+
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_arch_replaces_the_files_target_before_validation(capsys, tmp_path, monkeypatch, from_env):
+    """A file that names no target (sm_90 by default, where head dim 256 has no chunk scan)
+    is judged on the target it is rendered for; a refusal names where the target came from."""
+    p = write(tmp_path, "s.yaml", "head_dim: 256\n")
+    arch = ["--arch", "gfx950"] if not from_env else []
+    if from_env:
+        monkeypatch.setenv("KDAGEN_ARCH", "gfx950")
+    rc, out, err = run_cli(capsys, "render", str(p), "-o", str(tmp_path / "o"), *arch)
+    assert rc == 0, err
+    assert out.strip() == str(tmp_path / "o" / KernelSpec.parse({"head_dim": 256, "target": "gfx950"}).uri)
+    if from_env:
+        monkeypatch.setenv("KDAGEN_ARCH", "sm_90")
+    rc, _, err = run_cli(capsys, "render", str(p), "-o", str(tmp_path / "o2"),
+                         *(["--arch", "sm_90"] if not from_env else []))
+    assert rc == 1
+    assert_one_paragraph_error(err, "KDAGEN_ARCH sm_90" if from_env else "--arch sm_90",
+                               "head_dim = 256 on sm_90")
+
+
+def test_an_arch_that_names_no_target_is_an_error(capsys, tmp_path):
+    rc, out, err = run_cli(capsys, "render", "-o", str(tmp_path), "--arch", " , ")
+    assert rc == 1 and out == ""
+    assert_one_paragraph_error(err, "names no target")
 
 
 def test_impossible_spec(capsys, tmp_path):
