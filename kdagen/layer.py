@@ -61,6 +61,14 @@ def kda_forward(
     ``return_intermediate_states`` (the chunk op's checkpoints do this),
     ``cp_context`` and ``use_graph`` (capture the ops themselves: README).
 
+    Where a call means something else than in FLA (each refused with an error, but the
+    padded tail): forward only (an input that requires grad while grad mode is on is
+    refused, where FLA would differentiate); the padded tail's outputs are left unwritten
+    (FLA's Triton path zeroes them); ``g`` and ``beta`` must have q's dtype, and fp32
+    inputs need a spec kdagen cannot build (the matrix units take 16-bit operands); v has
+    q's heads and head dim (no GVA, V == K); ``lower_bound`` must be finite and negative;
+    keywords FLA would swallow through ``**kwargs`` are a TypeError.
+
     kdagen's own keywords: ``chunk_size`` and ``block_width`` pick the variant; left out,
     the ones tuned for this shape (``kdagen tune --chunk-sizes``, ``--block-widths``) are
     used where recorded, else the largest valid chunk (64 where the target's LDS allows)
@@ -81,6 +89,15 @@ def kda_forward(
                           (use_graph, "use_graph", "capture kdagen's ops with chunk_indices (README)")):
         if on:
             raise ValueError(f"kda_forward: {name} is not supported: {why}")
+    if torch.is_grad_enabled():
+        needs = [name for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                                      ("initial_state", initial_state), ("A_log", A_log),
+                                      ("dt_bias", dt_bias))
+                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needs:
+            raise ValueError(f"kda_forward: forward only, but {', '.join(needs)} require grad: the "
+                             "output would carry no gradient (FLA's chunk_kda is differentiable); "
+                             "call it under torch.no_grad() or torch.inference_mode(), or detach them")
     if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
         raise ValueError(f"kda_forward: safe_gate=True needs lower_bound in [-5, 0), got {lower_bound}")
     if A_log is None and lower_bound is None:
@@ -139,7 +156,7 @@ def kda_forward(
                             initial_state, output_final_state, groups=groups, scan=scan)
     if final is not None and not state_v_first:
         final = final.transpose(-1, -2).contiguous()
-    return o.reshape(B, T, H, -1), final
+    return o.reshape(B, T, H, v.shape[-1]), final
 
 
 def _default_spec(head_dim: int, dtype: torch.dtype, device: torch.device,

@@ -440,6 +440,27 @@ def test_kda_forward_dense_batch_matches_the_reference(monkeypatch):
 
 
 @needs_clang
+@pytest.mark.parametrize("state_v_first", [True, False])
+def test_kda_forward_of_no_tokens(state_v_first, monkeypatch):
+    """A dense batch of T = 0: an empty output of the right shape, and each sequence's
+    final state its initial state, in the layout asked for."""
+    from kdagen import layer
+
+    kern = emulated(head_dim=64, chunk_size=32, block_width=32, gate="softplus", target="sm_90")
+    monkeypatch.setattr(layer, "for_inputs", lambda *a, **k: kern)
+    B, H, D = 2, 2, 64
+    x = make_inputs([1], H, D, device="cpu", seed=18)
+    empty = lambda t: t[:, :0].expand(B, 0, *t.shape[2:])  # noqa: E731
+    init = torch.randn(B, H, D, D, generator=torch.Generator().manual_seed(6)) * 0.1
+    o, s = layer.kda_forward(*(empty(t) for t in (x.q, x.k, x.v, x.g, x.beta)), initial_state=init,
+                             output_final_state=True, state_v_first=state_v_first, A_log=x.A_log,
+                             dt_bias=x.dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, chunk_size=32)
+    assert o.shape == (B, 0, H, D) and o.dtype == x.q.dtype
+    assert s.shape == (B, H, D, D) and torch.equal(s, init)
+
+
+@needs_clang
 @pytest.mark.parametrize("defer_u", [True, False], ids=["akk", "u"])
 def test_prologue_on_a_group_of_waves_equals_the_prologue_kernel(defer_u, monkeypatch):
     """prologue_chunk run by a later group of a block's waves (from thread 64), in LDS

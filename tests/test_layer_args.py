@@ -137,3 +137,20 @@ def test_dense_batch_needs_no_cu_seqlens_read_back(fake, monkeypatch):
     assert isinstance(sl, seqlens.SeqLens) and not reads
     assert sl.cu32.tolist() == [0, 40, 80, 120] and sl.chunk_size == 16 and sl.num_chunks == 9
     assert tuple(fake.got["q"].shape) == (1, 120, 2, 64)
+
+
+@pytest.mark.parametrize("which", ["q", "g", "A_log", "initial_state"])
+def test_inputs_that_require_grad_are_refused_in_grad_mode(which):
+    """Forward only: FLA's chunk_kda would differentiate, so a call that expects gradients
+    is refused by name rather than run without them; under no_grad it goes on (to the
+    next check here: there is no GPU)."""
+    q, k, v, g, beta = _x()
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=torch.zeros(2), dt_bias=torch.zeros(128),
+                initial_state=torch.zeros(1, 2, 64, 64))
+    args[which] = args[which].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match=f"forward only, but {which} require grad"):
+        kda_forward(**args, **IN_KERNEL)
+    with torch.no_grad():
+        with pytest.raises(Exception) as exc:
+            kda_forward(**args, **IN_KERNEL)
+    assert "require grad" not in str(exc.value)
