@@ -164,17 +164,22 @@ def cu_end(op: str, end: int, total_tokens: int) -> None:
         _fail(op, "cu_seqlens", f"must end at or before the token count {total_tokens}, got {end}")
 
 
-def indices(op: str, name: str, t: object, n: int, rows: int, device: torch.device | None) -> torch.Tensor:
+def indices(op: str, name: str, t: object, n: int, rows: int, device: torch.device | None,
+            distinct: bool = True) -> torch.Tensor:
     """An int index per sequence into ``rows`` rows; negative entries mean 'none'. The
-    kernels take int32: an int64 entry below -2^31 would wrap to a row when cast."""
+    kernels take int32: an int64 entry below -2^31 would wrap to a row when cast. With
+    ``distinct`` (rows every sequence writes) no row may be named twice."""
     x = tensor(op, name, t, shape=(n,), dtypes=INDEX_DTYPES, device=device)
     if values_checkable() and n > 0:
-        lo, hi = index_range(x)
+        lo, hi, dup = index_facts(x)
         if hi >= rows:
             _fail(op, name, f"holds row {hi}, but the target has only {rows} rows")
         if lo < -(2 ** 31):
             _fail(op, name, f"holds {lo}, outside int32 (the kernels' index type): it would wrap "
                             "to a row when cast; use -1 for 'none'")
+        if distinct and dup is not None:
+            _fail(op, name, f"names row {dup} for two sequences: both would write it at once; "
+                            "give each sequence its own row (or -1 for 'none')")
     return x
 
 
@@ -218,11 +223,22 @@ class TensorMemo:
 _ranges = TensorMemo(32)
 
 
-def index_range(x: torch.Tensor) -> tuple[int, int]:
-    """``(min, max)`` of an index tensor: one host read, kept per tensor version
-    (``TensorMemo``), so every layer of a forward pass on one ``state_indices`` tensor
-    reads it back once."""
-    return _ranges.get(x, x.numel(), lambda: tuple(int(v) for v in torch.stack(torch.aminmax(x)).tolist()))
+def index_facts(x: torch.Tensor) -> tuple[int, int, int | None]:
+    """``(min, max, a row named twice or None)`` of an index tensor (negative entries,
+    'none', may repeat): one host read, kept per tensor version (``TensorMemo``), so every
+    layer of a forward pass on one ``state_indices`` tensor reads it back once."""
+
+    def read() -> tuple[int, int, int | None]:
+        lo, hi, *vals = (int(v) for v in torch.cat([torch.stack(torch.aminmax(x)), x.reshape(-1)]).tolist())
+        seen: set[int] = set()
+        for v in vals:
+            if v >= 0:
+                if v in seen:
+                    return lo, hi, v
+                seen.add(v)
+        return lo, hi, None
+
+    return _ranges.get(x, x.numel(), read)
 
 
 def flags(op: str, name: str, t: object, n: int, device: torch.device | None) -> torch.Tensor:

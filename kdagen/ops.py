@@ -242,7 +242,10 @@ class Kernels:
         ``kg_t [chunks, H, D, C]``, ``aqk [1, T, H, C]`` (scale folded in) and fp32
         ``decay [chunks, H, D]``. With ``conv_weight [3*H*D, W]`` the raw bands first go
         through the causal depthwise conv + SiLU, and ``conv_state [slots, 3*H*D, W-1]``
-        rows ``conv_state_indices`` are updated in place.
+        rows ``conv_state_indices`` are updated in place; a sequence reads its row's
+        history only where ``conv_has_initial_state`` is true (None: none does, as in
+        vLLM's causal conv). ``scale`` (None: D^-1/2) is folded into ``aqk``: give
+        ``fused_kda_chunk`` the same one, which applies it to the state's term.
 
         ``defer_u=True`` leaves u to the chunk scan: v is not read, and ``akk
         [1, T, H, C]`` = (I + L)^-1 Diag(beta) takes u's place in the result (pass it
@@ -490,7 +493,9 @@ class Kernels:
             if checkpoint_state_indices is not None:
                 checkpoint_state_indices = ck.indices(
                     op, "checkpoint_state_indices", checkpoint_state_indices, N,
-                    checkpoint_state.shape[0], dev).to(torch.int32).contiguous()
+                    checkpoint_state.shape[0], dev,
+                    distinct=False,  # a sequence whose offset is 0 writes no row
+                ).to(torch.int32).contiguous()
             elif checkpoint_state.shape[0] < N:
                 raise ck.ArgumentError(f"{op}: argument 'checkpoint_state' needs a row per sequence "
                                        f"({N}) without checkpoint_state_indices, got "

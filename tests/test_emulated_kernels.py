@@ -727,8 +727,12 @@ def test_checkpoint_rows_by_index(groups, monkeypatch):
 
 
 @needs_clang
-@pytest.mark.parametrize("target,D,C", [("sm_90", 64, 32), ("gfx90a", 64, 32), ("gfx942", 128, 64)])
-def test_fused_conv(target, D, C):
+@pytest.mark.parametrize("target,D,C,flags", [("sm_90", 64, 32, "given"), ("gfx90a", 64, 32, "given"),
+                                               ("gfx942", 128, 64, "given"), ("sm_90", 64, 32, "none")])
+def test_fused_conv(target, D, C, flags):
+    """The fused conv against the reference, with conv_has_initial_state given, and left
+    out: then no sequence reads its row's history (vLLM's convention), and every addressed
+    row is still updated."""
     W, H = 4, 2
     kern = emulated(head_dim=D, chunk_size=C, conv_width=W, target=target)
     x = make_inputs([1, 2, C - 1, C + 5], H, D, device="cpu", seed=41)
@@ -737,7 +741,7 @@ def test_fused_conv(target, D, C):
     state = torch.randn(5, 3 * H * D, W - 1, generator=gen)
     before = state.clone()
     idx = torch.tensor([3, 0, -1, 4], dtype=torch.int32)
-    has = torch.tensor([True, False, True, True])
+    has = torch.tensor([True, False, True, True]) if flags == "given" else None
     p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens, conv_weight=wgt,
                                 conv_state=state, conv_state_indices=idx,
                                 conv_has_initial_state=has)

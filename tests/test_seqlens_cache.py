@@ -257,3 +257,22 @@ def test_dense_batch_bookkeeping_reads_nothing_back(fresh, B, T, C):
     assert (sl.num_chunks, sl.total_tokens, sl.chunk_size) == (want.num_chunks, B * T, C)
     assert seqlens.dense(B, T, C, torch.device("cpu")) is sl
     assert seqlens.dense(B, T + 1, C, torch.device("cpu")) is not sl
+
+
+@pytest.mark.parametrize("values, dup", [([3, 1, 3], 3), ([0, -1, -1, 0], 0), ([2, -1, -1, 5], None)])
+def test_a_row_named_twice_is_refused(values, dup):
+    """Two sequences on one cache / checkpoint / conv row would write it at once: refused
+    (negative entries, 'none', may repeat), from the same one read back as the range."""
+    idx = torch.tensor(values, dtype=torch.int32)
+    if dup is None:
+        assert ck.indices("op", "state_indices", idx, len(values), 8, None) is idx
+    else:
+        with pytest.raises(ValueError, match=f"names row {dup} for two sequences"):
+            ck.indices("op", "state_indices", idx, len(values), 8, None)
+
+
+def test_checkpoint_rows_may_repeat():
+    """checkpoint_state_indices may name a row twice: a sequence whose offset is 0 writes
+    none, so only the caller knows whether two would."""
+    idx = torch.tensor([3, 3], dtype=torch.int32)
+    assert ck.indices("op", "checkpoint_state_indices", idx, 2, 8, None, distinct=False) is idx

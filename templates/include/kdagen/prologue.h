@@ -201,8 +201,9 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
       constexpr int W = Cfg::kConvWidth;
       const int ch = (band * H + h) * D + d;
       const int idx = a.conv_state_indices != nullptr ? a.conv_state_indices[n] : -1;
+      // history only where conv_has_initial_state says so (none given: none, as vLLM's conv)
       const bool hist = idx >= 0 && idx < a.num_conv_slots &&
-                        (a.conv_has_initial_state == nullptr || a.conv_has_initial_state[n]);
+                        a.conv_has_initial_state != nullptr && a.conv_has_initial_state[n];
       float acc = 0.0f;
 #pragma unroll
       for (int j = 0; j < W; ++j) {
@@ -1141,7 +1142,7 @@ __global__ void __launch_bounds__(256) conv_state_update_kernel(PrologueArgs a) 
   if (ch >= 3 * H * D || W < 2) return;
   const int idx = a.conv_state_indices[n];
   if (idx < 0 || idx >= a.num_conv_slots) return;
-  const bool hist = a.conv_has_initial_state == nullptr || a.conv_has_initial_state[n];
+  const bool hist = a.conv_has_initial_state != nullptr && a.conv_has_initial_state[n];
   const int bos = a.cu_seqlens[n], len = a.cu_seqlens[n + 1] - bos;
   const int band = ch / (H * D), h = (ch / D) % H, d = ch % D;
   const Strided& s = band == 0 ? a.q : (band == 1 ? a.k : a.v);
