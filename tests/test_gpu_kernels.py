@@ -422,17 +422,19 @@ def test_misaligned_checkpoint_refused_before_launch():
 # ---- fused conv ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("has_state", [False, True])
+@pytest.mark.parametrize("has_state", [False, True, None], ids=["no-history", "history", "flags-none"])
 def test_fused_conv(has_state):
+    """None for conv_has_initial_state: no sequence reads its row's history (vLLM's
+    convention), and every addressed row is still updated."""
     W, D, H = 4, 128, 2
     kern = kernels(head_dim=D, conv_width=W)
-    x = make_inputs([1, 2, 63, 130], H, D, seed=41 + has_state)
+    x = make_inputs([1, 2, 63, 130], H, D, seed={False: 41, True: 42, None: 43}[has_state])
     N, slots = 4, 6
     wgt = torch.randn(3 * H * D, W, device=DEV) * 0.5
     state = torch.randn(slots, 3 * H * D, W - 1, device=DEV)
     before = state.clone()
     idx = torch.tensor([3, 0, -1, 5], dtype=torch.int32, device=DEV)
-    has = torch.full((N,), has_state, device=DEV)
+    has = None if has_state is None else torch.full((N,), has_state, device=DEV)
     p = kern.fused_kda_prologue(*x.args(), None, None, x.cu_seqlens, conv_weight=wgt,
                                 conv_state=state, conv_state_indices=idx,
                                 conv_has_initial_state=has)
