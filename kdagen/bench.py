@@ -458,10 +458,9 @@ def main(ns: argparse.Namespace) -> int:
         print(table(rows, meta))
         write_results(rows, meta, ns.markdown, ns.json, ns.plot)
         return 0
-    gates = tuple(g.strip() for g in (ns.gates or "lower_bound,softplus").split(",") if g.strip())
-    unknown = [g for g in gates if g not in ("lower_bound", "softplus")]
-    if not gates or unknown:
-        raise ValueError(f"--gates {ns.gates!r}: name lower_bound and / or softplus, comma separated")
+    from .spec import parse_gates
+
+    gates = tuple(parse_gates(ns.gates or "lower_bound,softplus"))
     shapes = parse_shapes(ns.shapes or DEFAULT_SHAPES, flag="--shapes")
     if ns.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {ns.reps}")

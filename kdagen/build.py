@@ -350,11 +350,11 @@ def parallel_jobs(jobs: int | None) -> int:
     return int(text)
 
 
-def run_ninja(ninja_file: Path, log_path: Path, *, verbose: bool, jobs: int | None, what: str) -> None:
+def run_ninja(ninja_file: Path, log_path: Path, *, verbose: bool, jobs: int, what: str) -> None:
+    """``jobs``: ninja's -j as ``parallel_jobs`` resolved it (0: ninja's own default)."""
     cmd = [_ninja(), "-f", str(ninja_file)]
     if verbose:
         cmd.append("-v")
-    jobs = parallel_jobs(jobs)
     if jobs:
         cmd += ["-j", str(jobs)]
     env = dict(os.environ)
@@ -410,7 +410,7 @@ def build_many(specs: Iterable[KernelSpec], mode: Mode = "full", *, verbose: boo
     verbose = verbose_default() if verbose is None else verbose
     if force is None:
         force = os.environ.get("KDAGEN_REBUILD", "") not in ("", "0")
-    jobs = parallel_jobs(jobs) or None  # a bad setting refused before any entry is touched
+    jobs = parallel_jobs(jobs)  # a bad setting refused before any entry is touched
     entries = [plan(s, mode) for s in specs]
     todo = [e for e in entries if force or e.problem() is not None]
     if not todo:

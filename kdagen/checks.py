@@ -220,7 +220,7 @@ class TensorMemo:
         return len(self._entries)
 
 
-_ranges = TensorMemo(32)
+_index_memo = TensorMemo(32)  # index_facts per tensor version
 
 
 def index_facts(x: torch.Tensor) -> tuple[int, int, int | None]:
@@ -238,7 +238,7 @@ def index_facts(x: torch.Tensor) -> tuple[int, int, int | None]:
                 seen.add(v)
         return lo, hi, None
 
-    return _ranges.get(x, x.numel(), read)
+    return _index_memo.get(x, x.numel(), read)
 
 
 def flags(op: str, name: str, t: object, n: int, device: torch.device | None) -> torch.Tensor:

@@ -183,7 +183,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
 
     from .bench import DEFAULT_SHAPES, parse_shapes
     from .jit import device_target
-    from .spec import load_yaml
+    from .spec import load_yaml, parse_gates
 
     raw = load_yaml(Path(ns.spec)) if ns.spec else {}  # validated below for this GPU's target
     if not isinstance(raw, dict):
@@ -204,10 +204,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         raise ValueError("--block-widths and --chunk-sizes are tuned in separate runs: pass one")
     if len(set(chunks)) != len(chunks) or len(chunks) == 1:
         raise ValueError(f"--chunk-sizes needs two or more different sizes, got {ns.chunk_sizes!r}")
-    gates = [g.strip() for g in ns.gates.split(",") if g.strip()] if ns.gates is not None else []
-    if ns.gates is not None and not gates:
-        raise ValueError(f"--gates {ns.gates!r} names no gate; e.g. --gates lower_bound,softplus")
-    gates = gates or [raw.get("gate", "softplus")]
+    gates = parse_gates(ns.gates) if ns.gates is not None else [raw.get("gate", "softplus")]
     shapes = parse_shapes(ns.shapes or DEFAULT_SHAPES, flag="--shapes")
     import torch
 

@@ -24,6 +24,7 @@ ALL_OPS: tuple[str, ...] = ("recurrent", "prologue", "chunk")
 HEAD_DIMS = (64, 128, 256)
 CHUNK_SIZES = (16, 32, 64)
 CONV_WIDTHS = (0, 2, 3, 4)
+GATES = ("softplus", "lower_bound")
 
 
 class SpecError(ValueError):
@@ -240,6 +241,15 @@ def _describe(err: ValidationError, source: str) -> str:
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         lines.append(f"field {field!r}{shown}: {msg}")
     return f"{source}: invalid spec: " + "; ".join(lines)
+
+
+def parse_gates(text: str, flag: str = "--gates") -> list[str]:
+    """A comma-separated list of gate forms (GATES); ValueError naming ``flag`` for an
+    empty list or an unknown form."""
+    gates = [g.strip() for g in text.split(",") if g.strip()]
+    if not gates or any(g not in GATES for g in gates):
+        raise ValueError(f"{flag} {text!r}: name {' and / or '.join(GATES)}, comma separated")
+    return gates
 
 
 def spec_with_target(spec: "KernelSpec | dict | str | Path | None", target: str) -> KernelSpec:

@@ -40,9 +40,7 @@ def expand(grid: dict[str, Any], *, pattern: str | None = None, source: str = "g
         if set(grid) - {"grids", "filter"} or not isinstance(grid["grids"], list) or not grid["grids"]:
             raise SpecError(f"{source}: 'grids' must be a list of grids (and only 'filter' beside "
                             "it), not empty")
-        top = grid.get("filter")
-        if top is not None and not isinstance(top, str):
-            raise SpecError(f"{source}: 'filter' must be a name pattern string, got {top!r}")
+        top = _filter(grid, source)
         specs, pruned, seen = [], [], set()
         for i, sub in enumerate(grid["grids"]):
             e = expand(sub, pattern=pattern, source=f"{source}: grids[{i}]", nested=True, outer=top)
@@ -75,9 +73,7 @@ def expand(grid: dict[str, Any], *, pattern: str | None = None, source: str = "g
     for key, values in axes.items():
         if not isinstance(values, list) or not values:
             raise SpecError(f"{source}: grid field {key!r} must be a non-empty list, got {values!r}")
-    own = grid.get("filter")
-    if own is not None and not isinstance(own, str):
-        raise SpecError(f"{source}: 'filter' must be a name pattern string, got {own!r}")
+    own = _filter(grid, source)
     # the command line's pattern replaces the file-wide filter; a nested grid's own stays
     patterns = [p for p in ([pattern or outer, own] if nested else [pattern or own]) if p]
     names = list(axes)
@@ -97,6 +93,14 @@ def expand(grid: dict[str, Any], *, pattern: str | None = None, source: str = "g
             seen.add(spec.uri)
             specs.append(spec)
     return Expansion(specs, pruned)
+
+
+def _filter(grid: dict[str, Any], source: str) -> str | None:
+    """A grid's (or ``grids``'s) ``filter``: a name pattern string, or None."""
+    pattern = grid.get("filter")
+    if pattern is not None and not isinstance(pattern, str):
+        raise SpecError(f"{source}: 'filter' must be a name pattern string, got {pattern!r}")
+    return pattern
 
 
 def expand_file(path: str | Path, *, pattern: str | None = None) -> Expansion:
