@@ -111,8 +111,10 @@ def chunk_plan_for(spec: KernelSpec) -> resources.ChunkPlan:
 def render(spec: KernelSpec) -> Rendered:
     """Render every source of ``spec``."""
     t = spec.target_info
+    prologue_swizzle = resources.prologue_swizzle(t.vendor, spec.head_dim, spec.chunk_size,
+                                                  spec.io_dtype, t.shared_mem)
     prologue_bytes = resources.prologue_shared_mem(spec.head_dim, spec.chunk_size, spec.io_dtype,
-                                                   t.shared_mem)
+                                                   t.shared_mem, prologue_swizzle)
     ctx = dict(
         spec=spec,
         spec_items=sorted(spec.canonical().items()),
@@ -126,6 +128,7 @@ def render(spec: KernelSpec) -> Rendered:
         planar=resources.prologue_planar(spec.head_dim, spec.chunk_size, spec.io_dtype,
                                          t.shared_mem),
         prologue_bytes=prologue_bytes,
+        prologue_swizzle=prologue_swizzle,
         prologue_min_blocks=resources.prologue_min_blocks(
             prologue_bytes, t.cu_smem, t.block_smem_reserve,
             resources.prologue_threads(spec.chunk_size)),

@@ -101,19 +101,21 @@ def prologue_threads(chunk_size: int) -> int:
 
 
 def prologue_footprint(head_dim: int, chunk_size: int, io_dtype: str,
-                       stage_q: bool = False, planar: bool = False) -> Footprint:
+                       stage_q: bool = False, planar: bool = False, swizzle: bool = False) -> Footprint:
     """G (fp32, later reused for L) + k (io dtype) [+ q] + three per-row fp32 vectors;
     ``planar`` adds the two operand planes, 2^G of each block's first row, its kg_t
     factor 2^(G_last - G_l), the block-pair scales and the diagonal choices (16 bytes),
-    and implies the q plane."""
+    and implies the q plane; ``swizzle`` (planar only) leaves the k and q planes' rows
+    unpadded (their 16-byte pieces swizzled by row, ``prologue_swizzle``)."""
     c, d = chunk_size, head_dim
     g_plane = c * (d + PAD_FP32) * 4
     row_plane = c * (d + PAD_16BIT) * IO_BYTES[io_dtype]
     if planar:
         nb = c // 16
         scales = nb * (nb - 1) // 2 + nb
-        return Footprint(prologue_threads(c),
-                         g_plane + 4 * row_plane + 3 * c * 4 + 2 * nb * d * 4 + scales * d * 4 + 16)
+        kq_plane = c * d * IO_BYTES[io_dtype] if swizzle else row_plane
+        return Footprint(prologue_threads(c), g_plane + 2 * kq_plane + 2 * row_plane + 3 * c * 4
+                         + 2 * nb * d * 4 + scales * d * 4 + 16)
     return Footprint(prologue_threads(c), g_plane + (2 if stage_q else 1) * row_plane + 3 * c * 4)
 
 
@@ -134,11 +136,37 @@ def prologue_planar(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: i
     return in_g and even and prologue_footprint(d, c, io_dtype, planar=True).shared_mem <= shared_mem
 
 
-def prologue_shared_mem(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int) -> int:
-    """Bytes of LDS the prologue of this variant uses on a target with ``shared_mem``."""
+def prologue_shared_mem(head_dim: int, chunk_size: int, io_dtype: str, shared_mem: int,
+                        swizzle: bool = False) -> int:
+    """Bytes of LDS the prologue of this variant uses on a target with ``shared_mem``
+    (``swizzle``: its planes as ``prologue_swizzle`` lays them out)."""
     planar = prologue_planar(head_dim, chunk_size, io_dtype, shared_mem)
     stage_q = prologue_stages_q(head_dim, chunk_size, io_dtype, shared_mem)
-    return prologue_footprint(head_dim, chunk_size, io_dtype, stage_q, planar).shared_mem
+    return prologue_footprint(head_dim, chunk_size, io_dtype, stage_q, planar, swizzle).shared_mem
+
+
+# The planar prologue's k and q LDS planes (and what later takes their place: b k^ 2^G,
+# Qa, b v) stored unpadded with their 16-byte pieces swizzled by row (templates:
+# `swizzled`, PrologueLayout::kidx), in place of rows padded by PAD_16BIT. The k / q rows
+# arrive by 16-byte cp.async copies, 16 threads a row: into rows of 272 bytes a warp copy
+# spans six or seven 128-byte runs of banks where four would do (ncu, H200, c16,
+# docs/NOTES.md v19: 168 shared wavefronts per (chunk, head) for these copies, 64 ideal;
+# about 7% of the prologue's 1406). Every reader and writer of the two planes (16-byte
+# pieces, 32-bit pairs, elements, ldmatrix) takes the same placement; the operand planes
+# Ka / Kb, filled by 16-byte stores (no excess in padded rows) and read element by element
+# for kg_t, stay padded. NVIDIA: off until timed (an H200 A/B: the H100's
+# prologue already runs at 93% of its copy bandwidth); CDNA: off (untimed; there the k / q
+# rows are staged by plain loads and 16-byte LDS stores, not cp.async).
+PROLOGUE_SWIZZLE = False
+PROLOGUE_SWIZZLE_CDNA = False
+
+
+def prologue_swizzle(vendor: str, head_dim: int, chunk_size: int, io_dtype: str,
+                     shared_mem: int) -> bool:
+    """Whether the prologue of this variant swizzles its 16-bit planes (PROLOGUE_SWIZZLE on
+    NVIDIA, PROLOGUE_SWIZZLE_CDNA on AMD): the planar path only."""
+    on = PROLOGUE_SWIZZLE_CDNA if vendor == "amd" else PROLOGUE_SWIZZLE
+    return on and prologue_planar(head_dim, chunk_size, io_dtype, shared_mem)
 
 
 def prologue_min_blocks(shared_mem_bytes: int, cu_smem: int, reserve: int,

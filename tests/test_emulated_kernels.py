@@ -127,6 +127,36 @@ def test_walks_with_outputs_swizzled_beside_a_padded_pass_one(monkeypatch):
         assert want in src, want
 
 
+# The planar prologue's variants: c16 d128, c32 d64 fp16 and c64 d128 on sm_90, c32 d64
+# and c16 d64 fp16 on CDNA.
+PLANAR = [PREFILL[8], PREFILL[3], PREFILL[1], PREFILL[6], PREFILL[9]]
+
+
+@needs_clang
+@pytest.mark.parametrize("case", PLANAR, ids=[_id(c) for c in PLANAR])
+def test_prologue_with_swizzled_planes_matches_the_reference(case, monkeypatch):
+    """The planar prologue with its k and q planes unpadded and their 16-byte pieces
+    swizzled by row (PROLOGUE_SWIZZLE, PROLOGUE_SWIZZLE_CDNA): the k / q rows staged from
+    a layer's fused projection (unaligned: element by element), u and akk forms, then the
+    walks (check_prefill); and from contiguous inputs (16-byte pieces, cp.async on sm_90),
+    outputs poisoned. The staging, the norms, the exact path's element reads, P4's
+    in-place rewrite of both planes, the products' matrix loads of Qa and of b k^ 2^G / b v
+    must all take one placement (the Ka / Kb planes beside them stay padded), or a
+    product reads another row's piece (LDS starts as NaN here)."""
+    from kdagen.render import render
+
+    monkeypatch.setattr(resources, "PROLOGUE_SWIZZLE", True)
+    monkeypatch.setattr(resources, "PROLOGUE_SWIZZLE_CDNA", True)
+    kern = check_prefill(*case)
+    assert "kPrologueSwizzle = true;" in render(kern.spec).files["kernels.hip"]
+    monkeypatch.setenv("KDAGEN_POISON", "1")
+    (fields, dtype), C = case, kern.spec.chunk_size
+    x = make_inputs(lens_for(C), 2, kern.spec.head_dim, dtype=dtype, device="cpu",
+                    gate=kern.spec.gate, seed=C + 3)
+    assert x.k.is_contiguous() and x.q.is_contiguous()
+    check_prologue_and_single_walk(kern, x, C)
+
+
 SWIZZLE_PROPERTIES = r"""
 #include "kdagen/numeric.h"
 #include <set>
@@ -615,14 +645,15 @@ def test_diagonal_blocks_take_both_paths_in_one_chunk(target):
 
 
 @needs_clang
-@pytest.mark.parametrize("target", ["sm_90", "gfx950"])
-def test_chunk_16_diagonal_block_both_ways(target, monkeypatch):
+@pytest.mark.parametrize("target, swizzle", [("sm_90", False), ("gfx950", False), ("sm_90", True)])
+def test_chunk_16_diagonal_block_both_ways(target, swizzle, monkeypatch):
     """Planar prologue at chunk 16, where a chunk is one diagonal block: a softplus gate
     strong in every other chunk (span past kDiagSpan: the exact per-pair path, Kb scaled
     against the block's last row) and faint in the rest (the matrix units, Kb scaled
     against its first row in P4 and divided back for kg_t). Every output against the
     reference, outputs poisoned."""
     monkeypatch.setenv("KDAGEN_POISON", "1")
+    monkeypatch.setattr(resources, "PROLOGUE_SWIZZLE", swizzle)  # the exact path's element reads too
     C = 16
     kern = emulated(head_dim=64, chunk_size=C, target=target)
     x = make_inputs(lens_for(C) + [5 * C + 3], 2, 64, device="cpu", strong_decay=True, seed=29)

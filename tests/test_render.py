@@ -139,6 +139,7 @@ def test_default_constexprs():
         "kStageQ": "true",  # sm_90's shared memory holds the q rows too
         "kPlanar": "true",  # ... and the planar L / aqk operands
         "kPrologueBytes": str(resources.prologue_shared_mem(128, 64, "bf16", 232448)),
+        "kPrologueSwizzle": "false",  # resources.PROLOGUE_SWIZZLE: off until timed
         "kChunkStages": "2",  # cp.async double buffering
         "kChunkStagesPassOne": "3",  # resources.PASS_ONE_STAGES: pass one buffers deeper
         "kChunkMinBlocks": "1",  # the c64 walk keeps its 255 registers
@@ -340,6 +341,29 @@ def test_swizzled_tiles_per_vendor_and_chunk_never_with_warpgroup_products(monke
     assert fp(wgmma=True, swizzle=True) == fp(wgmma=True)
     monkeypatch.setattr(resources, "CHUNK_WGMMA", True)
     assert swz(dict(chunk_size=16)) == "false"
+
+
+def test_prologue_planes_swizzled_by_vendor_on_the_planar_path_only(monkeypatch):
+    """PROLOGUE_SWIZZLE (NVIDIA) and PROLOGUE_SWIZZLE_CDNA, both off by default, reach the
+    Config only for a planar prologue (resources.prologue_planar; CDNA's chunk-64 d128
+    prologue is not one), and its LDS then drops the padding of its k and q planes."""
+    swz = lambda spec: constexprs(kernels(spec))  # noqa: E731
+    assert not resources.PROLOGUE_SWIZZLE and not resources.PROLOGUE_SWIZZLE_CDNA
+    for spec in (dict(chunk_size=16), dict(chunk_size=16, target="gfx942")):
+        assert swz(spec)["kPrologueSwizzle"] == "false"
+    monkeypatch.setattr(resources, "PROLOGUE_SWIZZLE", True)
+    pad = resources.PAD_16BIT
+    for c in (16, 32, 64):
+        c_on = swz(dict(chunk_size=c))
+        assert c_on["kPlanar"] == "true" and c_on["kPrologueSwizzle"] == "true"
+        padded = resources.prologue_shared_mem(128, c, "bf16", 232448)
+        assert int(c_on["kPrologueBytes"]) == padded - 2 * c * pad * 2
+    assert swz(dict(chunk_size=16, target="gfx942"))["kPrologueSwizzle"] == "false"
+    monkeypatch.setattr(resources, "PROLOGUE_SWIZZLE_CDNA", True)
+    assert swz(dict(chunk_size=16, target="gfx942"))["kPrologueSwizzle"] == "true"
+    c64 = swz(dict(chunk_size=64, target="gfx942"))
+    assert c64["kPlanar"] == "false" and c64["kPrologueSwizzle"] == "false"
+    assert int(c64["kPrologueBytes"]) == resources.prologue_shared_mem(128, 64, "bf16", 65536)
 
 
 def test_pass_one_tiles_swizzled_apart_from_the_walks_with_outputs(monkeypatch):

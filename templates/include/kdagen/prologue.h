@@ -47,7 +47,10 @@
 // right-hand side), q where LDS allows (then v, for the matrix-unit solve), [the planar
 // operand planes Ka, Kb (later the staged w, u)], three fp32 row vectors rk, rq, beta
 // [, and the planar path's per-block vectors 2^G_f, pair scales, the kg_t factors
-// 2^(G_last - G_l), diagonal choices].
+// 2^(G_last - G_l), diagonal choices]. The 16-bit planes' rows are padded by kPad16; on
+// the planar path with Cfg::kPrologueSwizzle the k and q planes' rows (and what later
+// takes their place) are unpadded instead, their 16-byte pieces swizzled by row
+// (PrologueLayout::kidx, which each of their readers and writers goes through).
 #pragma once
 
 #include "launch_args.h"
@@ -59,16 +62,26 @@ struct PrologueLayout {
   static constexpr int C = Cfg::kChunk, D = Cfg::kHeadDim, NB = C / 16;
   static constexpr int LDG = D + Cfg::kPadFp32;  // G plane row stride (floats)
   static constexpr int LDL = C + Cfg::kPadFp32;  // L plane row stride (floats), inside G's space
-  static constexpr int LDK = D + Cfg::kPad16;    // k plane row stride (elements)
+  // The k and q planes (filled by 16-byte copies): rows padded by kPad16, or (kSwz, planar
+  // only) unpadded with their 16-byte pieces swizzled by row (swizzled<D>); kidx places
+  // element (i, d). The operand planes Ka, Kb keep padded rows (LDP) either way.
+  static constexpr bool kSwz = Cfg::kPrologueSwizzle && Cfg::kPlanar;
+  static constexpr int LDK = D + (kSwz ? 0 : Cfg::kPad16);  // k / q plane row stride (elements)
+  static constexpr int LDP = D + Cfg::kPad16;               // Ka / Kb plane row stride
+  static __device__ __forceinline__ int kidx(int i, int d) {
+    if constexpr (kSwz) return swizzled<D>(i, d);
+    else return i * LDK + d;
+  }
   static constexpr int LDA = C + Cfg::kPad16;    // (I + L)^-1 in bf16 [C][LDA], after L
   static constexpr bool kPlanar = Cfg::kPlanar;
   static constexpr int kPairs = NB * (NB - 1) / 2;  // off-diagonal block pairs
   static constexpr int kScales = kPairs + NB;       // planar pair scales: off-diagonal, diagonal
-  // 16-bit planes: k [, q] [, Ka, Kb]
+  // 16-bit planes: k [, q] [, Ka, Kb], and their elements
   static constexpr int kPlanes = kPlanar ? 4 : (Cfg::kStageQ ? 2 : 1);
+  static constexpr int kPlaneElems = kPlanar ? 2 * C * LDK + 2 * C * LDP : kPlanes * C * LDK;
   static constexpr int kVecBytes = 3 * C * 4 + (kPlanar ? 2 * NB * D * 4 + kScales * D * 4 + 16 : 0);
   static constexpr int kBytes =
-      C * LDG * 4 + kPlanes * C * LDK * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + kVecBytes;
+      C * LDG * 4 + kPlaneElems * static_cast<int>(sizeof(io_t<Cfg::kIo>)) + kVecBytes;
   // The solve runs on the matrix units when (I + L)^-1 in bf16 has a place: beside L in
   // the G plane, else in the (dead) q plane. b v goes to the q plane when that is free,
   // else to the k plane once the w products are done. Otherwise a forward substitution
@@ -131,7 +144,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   constexpr DType Io = Cfg::kIo;
   using T = io_t<Io>;
   using Lay = PrologueLayout<Cfg>;
-  constexpr int C = Lay::C, D = Lay::D, LDG = Lay::LDG, LDL = Lay::LDL, LDK = Lay::LDK;
+  constexpr int C = Lay::C, D = Lay::D, LDG = Lay::LDG, LDL = Lay::LDL, LDK = Lay::LDK, LDP = Lay::LDP;
   constexpr int NT = Cfg::kPrologueThreads, NW = NT / kWaveSize;
   constexpr int NB = Lay::NB;                        // 16-row blocks per chunk
   constexpr int PAIRS = Lay::kPairs;                 // off-diagonal block pairs
@@ -151,12 +164,12 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   float* Ls = Gs;
   T* Ks = reinterpret_cast<T*>(Gs + C * LDG);
   T* Qs = Ks + C * LDK;  // only with kStageQ
-  float* rk = reinterpret_cast<float*>(Ks + Lay::kPlanes * C * LDK);
+  float* rk = reinterpret_cast<float*>(Ks + Lay::kPlaneElems);
   float* rq = rk + C;
   float* bt = rq + C;
   // planar path: operand planes Ka, Kb, and the per-block vectors after beta
   uint16_t* KA = reinterpret_cast<uint16_t*>(Qs + C * LDK);
-  uint16_t* KB = KA + C * LDK;
+  uint16_t* KB = KA + C * LDP;
   float* Pv = bt + C;                           // 2^G of each block's first row [NB][D]
   float* Sv = Pv + NB * D;                      // pair scales [kScales][D]
   float* Lv = Sv + Lay::kScales * D;            // 2^(G_last - G_l(b)) of each block [NB][D]
@@ -186,6 +199,12 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   // threads per column of the gate's cumulative sum (each sums a run of rows)
   constexpr int kCumsumRuns = NT >= D ? NT / D : 1;
   auto block8 = [&](int m) { return (m * RSTEP8) / 16 + (RSTEP8 > 16 ? r8 / 16 : 0); };
+  // Where piece m (row r8 + m RSTEP8, columns c8) lies in the k / q planes (kidx); swizzled
+  // rows RSTEP8 apart share their key when RSTEP8 is a multiple of 8, so one offset serves.
+  auto kq_piece = [&](int m) -> int {
+    if constexpr (Lay::kSwz && RSTEP8 % 8 == 0) return Lay::kidx(r8, c8) + m * RSTEP8 * LDK;
+    else return Lay::kidx(r8 + m * RSTEP8, c8);
+  };
 
   // ---- inputs: raw rows, or the causal depthwise conv + SiLU of them ------------------
   auto raw = [&](const Strided& s, int t, int d) -> float {
@@ -247,11 +266,14 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
       // this thread's pieces (r8 + m RSTEP8, c8): 32-bit offsets from the chunk's row
       static_assert(sizeof(T) == 2, "16-bit planes");
       const int tok = static_cast<int>(s.token), off = r8 * tok + c8;
-      T* d0 = dst + r8 * LDK + c8;
+      auto d0 = [&](int m) -> T* {
+        if constexpr (Lay::kSwz) return dst + kq_piece(m);
+        else return dst + r8 * LDK + c8 + m * RSTEP8 * LDK;
+      };
       if constexpr (kAsync) {
 #pragma unroll
         for (int m = 0; m < ITERS8; ++m)  // zero-filled past the end, from a valid address
-          async::copy16(d0 + m * RSTEP8 * LDK, base + (row_in(m) ? off + m * RSTEP8 * tok : 0), row_in(m));
+          async::copy16(d0(m), base + (row_in(m) ? off + m * RSTEP8 * tok : 0), row_in(m));
       } else {
         uint4 buf[ITERS8];
 #pragma unroll
@@ -260,12 +282,12 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
           if (row_in(m)) buf[m] = *reinterpret_cast<const uint4*>(base + off + m * RSTEP8 * tok);
         }
 #pragma unroll
-        for (int m = 0; m < ITERS8; ++m) *reinterpret_cast<uint4*>(d0 + m * RSTEP8 * LDK) = buf[m];
+        for (int m = 0; m < ITERS8; ++m) *reinterpret_cast<uint4*>(d0(m)) = buf[m];
       }
     } else {
       for (int e = tid; e < C * D; e += NT) {
         const int i = e / D, d = e % D;
-        dst[i * LDK + d] = from_float<Io>(i < valid ? input(band, i, d) : 0.0f);
+        dst[Lay::kidx(i, d)] = from_float<Io>(i < valid ? input(band, i, d) : 0.0f);
       }
     }
   };
@@ -273,12 +295,12 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   using Async = AsyncTag<true>;
   // q (conv applied) from the LDS plane where it is staged, else from global memory.
   auto qval = [&](int i, int d) -> float {
-    if constexpr (Cfg::kStageQ) return to_float<Io>(Qs[i * LDK + d]);
+    if constexpr (Cfg::kStageQ) return to_float<Io>(Qs[Lay::kidx(i, d)]);
     else return input(0, i, d);
   };
   // Neighbouring pairs (d even): one 32-bit read of a 16-bit plane, one 64-bit read of G.
   auto pair16 = [&](const T* plane, int i, int d) -> float2 {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(plane + i * LDK + d);
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(plane + Lay::kidx(i, d));
     return make_float2(to_float<Io>(static_cast<T>(w & 0xffffu)), to_float<Io>(static_cast<T>(w >> 16)));
   };
   auto k2 = [&](int i, int d) { return pair16(Ks, i, d); };
@@ -409,8 +431,8 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
       float sk = 0.0f, sq = 0.0f;
       if (e < PIECES) {
         float k8[8], q8[8];
-        unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + c), k8);
-        unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + i * LDK + c), q8);
+        unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + Lay::kidx(i, c)), k8);
+        unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + Lay::kidx(i, c)), q8);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           sk += k8[j] * k8[j];
@@ -433,7 +455,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
       kk[m] = qq[m] = 0.0f;
       if (i < valid) {
         for (int d = lane; d < D; d += kWaveSize) {
-          const float kx = to_float<Io>(Ks[i * LDK + d]), qx = qval(i, d);
+          const float kx = to_float<Io>(Ks[Lay::kidx(i, d)]), qx = qval(i, d);
           kk[m] += kx * kx;
           qq[m] += qx * qx;
         }
@@ -489,7 +511,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
       const int d = lane + e * kWaveSize;
       const bool in = d < D;
       qi[e] = in ? qval(i, d) : 0.0f;
-      ki[e] = in ? to_float<Io>(Ks[i * LDK + d]) : 0.0f;
+      ki[e] = in ? to_float<Io>(Ks[Lay::kidx(i, d)]) : 0.0f;
       gi[e] = in ? Gs[i * LDG + gcol(d)] : 0.0f;
     }
     float myQ = 0.0f;
@@ -499,7 +521,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
       for (int e = 0; e < PER; ++e) {
         const int d = lane + e * kWaveSize;
         if (d < D) {
-          const float kj = to_float<Io>(Ks[j * LDK + d]) * exp2_fast(gi[e] - Gs[j * LDG + gcol(d)]);
+          const float kj = to_float<Io>(Ks[Lay::kidx(j, d)]) * exp2_fast(gi[e] - Gs[j * LDG + gcol(d)]);
           sk += ki[e] * kj;
           sq += qi[e] * kj;
         }
@@ -629,7 +651,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const int i = i0 + j;
-        out8[j] = i < valid ? to_float<Io>(Ks[i * LDK + d]) * rk[i] * exp2_fast(glast - Gs[i * LDG + gcol(d)]) : 0.0f;
+        out8[j] = i < valid ? to_float<Io>(Ks[Lay::kidx(i, d)]) * rk[i] * exp2_fast(glast - Gs[i * LDG + gcol(d)]) : 0.0f;
       }
       store16(kg_t + d * C + i0, pack8<Io>(out8));
     }
@@ -638,6 +660,12 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
 
   if constexpr (Lay::kPlanar) {
     constexpr int kScales = Lay::kScales, LDA = Lay::LDA;
+    // Element (r, c) of the 16 x 16 tile at (r0, c0) of the k or q plane, as the matrix
+    // loads address it (the plane's row placement, kidx).
+    auto ktile = [](auto* plane, int r0, int c0) {
+      if constexpr (Lay::kSwz) return [=](int r, int c) { return plane + Lay::kidx(r0 + r, c0 + c); };
+      else return Rows<std::remove_pointer_t<decltype(plane)>>{plane + r0 * LDK + c0, LDK};
+    };
     auto load8f = [](const float* p, float (&v)[8]) {
       const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
       v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
@@ -707,8 +735,8 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
         float k8[8], q8[8], g[8], pf[8];
         if constexpr (NB > 1) block_rows(block8(m));
         load8g(Pv + block8(m) * D, c, pf);
-        unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + c), k8);
-        unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + i * LDK + c), q8);
+        unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + Lay::kidx(i, c)), k8);
+        unpack8<Io>(*reinterpret_cast<const uint4*>(Qs + Lay::kidx(i, c)), q8);
         load8g(Gs + i * LDG, c, g);
         const float ri = rk[i], qi = rq[i], bi = bt[i];
         float ka[8], qa[8], kb[8], w8[8], qo[8];
@@ -723,10 +751,10 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
           w8[j] = bi * ka[j] * pf[j];  // b k^ 2^G
           qo[j] = qa[j] * pf[j];  // q^ 2^G
         }
-        *reinterpret_cast<uint4*>(KA + i * LDK + c) = pack8<Mx>(ka);
-        *reinterpret_cast<uint4*>(KB + i * LDK + c) = pack8<Mx>(kb);
-        *reinterpret_cast<uint4*>(Qm + i * LDK + c) = pack8<Mx>(qa);
-        *reinterpret_cast<uint4*>(Km + i * LDK + c) = pack8<DType::kBF16>(w8);
+        *reinterpret_cast<uint4*>(KA + i * LDP + c) = pack8<Mx>(ka);
+        *reinterpret_cast<uint4*>(KB + i * LDP + c) = pack8<Mx>(kb);
+        *reinterpret_cast<uint4*>(Qm + Lay::kidx(i, c)) = pack8<Mx>(qa);
+        *reinterpret_cast<uint4*>(Km + Lay::kidx(i, c)) = pack8<DType::kBF16>(w8);
         if (i < valid) store16(qg + i * ld_hd + c, pack8<Io>(qo));
       }
     }
@@ -748,7 +776,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
         }
         float out8[VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) out8[j] = to_float<Mx>(KB[(i0 + j) * LDK + d]) * f;
+        for (int j = 0; j < VEC; ++j) out8[j] = to_float<Mx>(KB[(i0 + j) * LDP + d]) * f;
         store16(kg_t + d * C + i0, pack8<Io>(out8));
       }
     }
@@ -786,9 +814,9 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
         mma::zero(accQ);
 #pragma unroll 4
         for (int kt = 0; kt < D / 16; ++kt) {
-          const mma::Frag ak = mma::load_a_smem(KA + 16 * bi * LDK + 16 * kt, LDK);
-          const mma::Frag aq = mma::load_a_smem(Qm + 16 * bi * LDK + 16 * kt, LDK);
-          mma::Frag b = mma::load_b_smem(KB + 16 * bj * LDK + 16 * kt, LDK);
+          const mma::Frag ak = mma::load_a_smem(KA + 16 * bi * LDP + 16 * kt, LDP);
+          const mma::Frag aq = mma::load_a_smem_at(ktile(Qm, 16 * bi, 16 * kt));
+          mma::Frag b = mma::load_b_smem(KB + 16 * bj * LDP + 16 * kt, LDP);
           if constexpr (NB > 1) mma::scale_k<Mx>(b, Sv + p * D + 16 * kt);  // else scaled in P4
           mma::mma<Mx>(accL, ak, b);
           mma::mma<Mx>(accQ, aq, b);
@@ -837,7 +865,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
         }
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v8[j] *= bt[i];
-        *reinterpret_cast<uint4*>(Vm + i * LDK + c) = pack8<DType::kBF16>(v8);
+        *reinterpret_cast<uint4*>(Vm + Lay::kidx(i, c)) = pack8<DType::kBF16>(v8);
       }
     }
     invert_unit_lower();
@@ -870,7 +898,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
         if (SLICES % NW != 0 && sl >= SLICES) break;
         const bool is_w = sl < D / 16;
         const int dt = is_w ? sl : sl - D / 16;
-        const uint16_t* rhs = (is_w ? Wm : Vm) + 16 * dt;
+        const uint16_t* rhs = is_w ? Wm : Vm;
         uint16_t* dst = (is_w ? KA : KB) + 16 * dt;
 #pragma unroll
         for (int bi = 0; bi < NB; ++bi) {
@@ -879,10 +907,10 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
 #pragma unroll
           for (int kb = 0; kb <= bi; ++kb) {
             const mma::Frag fa = mma::load_a_smem(Ab + 16 * bi * LDA + 16 * kb, LDA);
-            const mma::Frag fb = mma::load_b_smem_kn(rhs + 16 * kb * LDK, LDK);
+            const mma::Frag fb = mma::load_b_smem_kn_at(ktile(rhs, 16 * kb, 16 * dt));
             mma::mma<DType::kBF16>(acc, fa, fb);
           }
-          mma::store_tile<Io>(acc, dst + 16 * bi * LDK, LDK);
+          mma::store_tile<Io>(acc, dst + 16 * bi * LDP, LDP);
         }
       }
     }
@@ -891,8 +919,8 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
     for (int m = 0; m < ITERS8; ++m) {  // this thread's pieces of w and u
       const int i = r8 + m * RSTEP8;
       if (i < valid) {
-        store16(wout + i * ld_hd + c8, *reinterpret_cast<const uint4*>(KA + i * LDK + c8));
-        if constexpr (!kAkk) store16(uout + i * ld_hd + c8, *reinterpret_cast<const uint4*>(KB + i * LDK + c8));
+        store16(wout + i * ld_hd + c8, *reinterpret_cast<const uint4*>(KA + i * LDP + c8));
+        if constexpr (!kAkk) store16(uout + i * ld_hd + c8, *reinterpret_cast<const uint4*>(KB + i * LDP + c8));
       }
     }
   } else {
@@ -983,7 +1011,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   for (int e = tid; e < C * (D / 8); e += NT) {  // 8 elements: 16-byte k, two float4 of G
     const int i = e / (D / 8), d = (e % (D / 8)) * 8;
     float k8[8];
-    unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + i * LDK + d), k8);
+    unpack8<Io>(*reinterpret_cast<const uint4*>(Ks + Lay::kidx(i, d)), k8);
     const float4 g0 = *reinterpret_cast<const float4*>(Gs + i * LDG + gcol(d));
     const float4 g1 = *reinterpret_cast<const float4*>(Gs + i * LDG + gcol(d + 4));
     const float gs[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
@@ -993,7 +1021,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
     for (int j = 0; j < 8; ++j) {
       v[j] = f * k8[j] * exp2_fast(gs[j]);
     }
-    *reinterpret_cast<uint4*>(Ks + i * LDK + d) = pack8<Io>(v);
+    *reinterpret_cast<uint4*>(Ks + Lay::kidx(i, d)) = pack8<Io>(v);
   }
   barrier();
 
@@ -1052,7 +1080,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
           const mma::Frag fb = mma::load_b2<DType::kBF16>([&](int nn, int k) {
             const int j = 16 * kb + k, d = 16 * dt + nn;
             const float s0 = is_w ? 1.0f : bt[j], s1 = is_w ? 1.0f : bt[j + 1];
-            return make_float2(s0 * to_float<Io>(rhs[j * LDK + d]), s1 * to_float<Io>(rhs[(j + 1) * LDK + d]));
+            return make_float2(s0 * to_float<Io>(rhs[Lay::kidx(j, d)]), s1 * to_float<Io>(rhs[Lay::kidx(j + 1, d)]));
           });
           mma::mma<DType::kBF16>(acc, fa, fb);
         }
@@ -1091,7 +1119,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
         const int i = 16 * b + r;
         acc[r] = 0.0f;
         if (i < valid) {
-          if (is_w) acc[r] = to_float<Io>(Ks[i * LDK + d]);
+          if (is_w) acc[r] = to_float<Io>(Ks[Lay::kidx(i, d)]);
           else if constexpr (kAkk) acc[r] = i == d ? bt[i] : 0.0f;
           else acc[r] = bt[i] * input(2, i, d);
         }
