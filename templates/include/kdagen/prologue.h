@@ -202,6 +202,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   // Where piece m (row r8 + m RSTEP8, columns c8) lies in the k / q planes (kidx); swizzled
   // rows RSTEP8 apart share their key when RSTEP8 is a multiple of 8, so one offset serves.
   auto kq_piece = [&](int m) -> int {
+    static_assert(!Lay::kSwz || D >= 64, "swizzled<D> keys rows by r mod 8 from 8 pieces a row on");
     if constexpr (Lay::kSwz && RSTEP8 % 8 == 0) return Lay::kidx(r8, c8) + m * RSTEP8 * LDK;
     else return Lay::kidx(r8 + m * RSTEP8, c8);
   };
