@@ -154,17 +154,19 @@ def prologue_shared_mem(head_dim: int, chunk_size: int, io_dtype: str, shared_me
 # about 7% of the prologue's 1406). Every reader and writer of the two planes (16-byte
 # pieces, 32-bit pairs, elements, ldmatrix) takes the same placement; the operand planes
 # Ka / Kb, filled by 16-byte stores (no excess in padded rows) and read element by element
-# for kg_t, stay padded. NVIDIA: off until timed (an H200 A/B: the H100's
-# prologue already runs at 93% of its copy bandwidth); CDNA: off (untimed; there the k / q
-# rows are staged by plain loads and 16-byte LDS stores, not cp.async).
+# for kg_t, stay padded. NVIDIA: off. Timed on an H100 (session 39, c16 lb, one-call A/B,
+# docs/NOTES.md v34): prologue 0.612-0.617 ms swizzled against 0.612-0.615 padded, no
+# change where the prologue moves 96% of the copy bandwidth; the H200, where it ran at
+# 70%, has not timed it. CDNA: off (untimed; there the k / q rows are staged by plain
+# loads and 16-byte LDS stores, not cp.async).
 PROLOGUE_SWIZZLE = False
 PROLOGUE_SWIZZLE_CDNA = False
 
 
 def prologue_swizzle(vendor: str, head_dim: int, chunk_size: int, io_dtype: str,
                      shared_mem: int) -> bool:
-    """Whether the prologue of this variant swizzles its 16-bit planes (PROLOGUE_SWIZZLE on
-    NVIDIA, PROLOGUE_SWIZZLE_CDNA on AMD): the planar path only."""
+    """Whether the prologue of this variant swizzles its k and q planes (PROLOGUE_SWIZZLE
+    on NVIDIA, PROLOGUE_SWIZZLE_CDNA on AMD): the planar path only."""
     on = PROLOGUE_SWIZZLE_CDNA if vendor == "amd" else PROLOGUE_SWIZZLE
     return on and prologue_planar(head_dim, chunk_size, io_dtype, shared_mem)
 

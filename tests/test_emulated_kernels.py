@@ -150,8 +150,8 @@ def test_prologue_with_swizzled_planes_matches_the_reference(case, monkeypatch):
     kern = check_prefill(*case)
     assert "kPrologueSwizzle = true;" in render(kern.spec).files["kernels.hip"]
     monkeypatch.setenv("KDAGEN_POISON", "1")
-    (fields, dtype), C = case, kern.spec.chunk_size
-    x = make_inputs(lens_for(C), 2, kern.spec.head_dim, dtype=dtype, device="cpu",
+    C = kern.spec.chunk_size
+    x = make_inputs(lens_for(C), 2, kern.spec.head_dim, dtype=case[1], device="cpu",
                     gate=kern.spec.gate, seed=C + 3)
     assert x.k.is_contiguous() and x.q.is_contiguous()
     check_prologue_and_single_walk(kern, x, C)

@@ -347,21 +347,21 @@ def test_prologue_planes_swizzled_by_vendor_on_the_planar_path_only(monkeypatch)
     """PROLOGUE_SWIZZLE (NVIDIA) and PROLOGUE_SWIZZLE_CDNA, both off by default, reach the
     Config only for a planar prologue (resources.prologue_planar; CDNA's chunk-64 d128
     prologue is not one), and its LDS then drops the padding of its k and q planes."""
-    swz = lambda spec: constexprs(kernels(spec))  # noqa: E731
+    cfg = lambda spec: constexprs(kernels(spec))  # noqa: E731
     assert not resources.PROLOGUE_SWIZZLE and not resources.PROLOGUE_SWIZZLE_CDNA
     for spec in (dict(chunk_size=16), dict(chunk_size=16, target="gfx942")):
-        assert swz(spec)["kPrologueSwizzle"] == "false"
+        assert cfg(spec)["kPrologueSwizzle"] == "false"
     monkeypatch.setattr(resources, "PROLOGUE_SWIZZLE", True)
     pad = resources.PAD_16BIT
     for c in (16, 32, 64):
-        c_on = swz(dict(chunk_size=c))
+        c_on = cfg(dict(chunk_size=c))
         assert c_on["kPlanar"] == "true" and c_on["kPrologueSwizzle"] == "true"
         padded = resources.prologue_shared_mem(128, c, "bf16", 232448)
         assert int(c_on["kPrologueBytes"]) == padded - 2 * c * pad * 2
-    assert swz(dict(chunk_size=16, target="gfx942"))["kPrologueSwizzle"] == "false"
+    assert cfg(dict(chunk_size=16, target="gfx942"))["kPrologueSwizzle"] == "false"
     monkeypatch.setattr(resources, "PROLOGUE_SWIZZLE_CDNA", True)
-    assert swz(dict(chunk_size=16, target="gfx942"))["kPrologueSwizzle"] == "true"
-    c64 = swz(dict(chunk_size=64, target="gfx942"))
+    assert cfg(dict(chunk_size=16, target="gfx942"))["kPrologueSwizzle"] == "true"
+    c64 = cfg(dict(chunk_size=64, target="gfx942"))
     assert c64["kPlanar"] == "false" and c64["kPrologueSwizzle"] == "false"
     assert int(c64["kPrologueBytes"]) == resources.prologue_shared_mem(128, 64, "bf16", 65536)
 
