@@ -82,26 +82,6 @@ enum : int { kWalkSingle = 0, kWalkPassOne = 1, kWalkPassTwo = 2, kWalkPassOneSe
 template <int kMode>
 constexpr bool kIsPassOne = kMode == kWalkPassOne || kMode == kWalkPassOneSegments;
 
-// Index of element (r, c) of an LDS tile W columns wide: rows padded to LD, or (kSwz)
-// unpadded with their 16-byte pieces swizzled.
-template <int W, int LD, bool kSwz>
-__device__ __forceinline__ int lds_index(int r, int c) {
-  if constexpr (kSwz) return swizzled<W>(r, c);
-  else return r * LD + c;
-}
-
-// Element (r, c) of the 16 x 16 block at (r0, c0) of such a tile at p: the accessor the
-// vendor layer's *_at loads and stores take.
-template <int W, int LD, bool kSwz, class E>
-struct TileAt {
-  E* p;
-  int r0, c0;
-  __device__ __forceinline__ E* operator()(int r, int c) const {
-    if constexpr (kSwz) return p + swizzled<W>(r0 + r, c0 + c);
-    else return Rows<E>{p + r0 * LD + c0, LD}(r, c);  // (the block's origin first, as before)
-  }
-};
-
 // Rows of a token-major [rows][H][width] tensor -> an LDS tile [rows][ld] (or swizzled,
 // kSwz), zero past `valid`, as 16-byte copies (asynchronous where the hardware has them).
 // The offsets inside one chunk's rows fit 32 bits (rows * row_stride < 2^31); only `src`

@@ -138,4 +138,24 @@ template <int W> __host__ __device__ __forceinline__ constexpr int swizzled(int 
   return r * W + static_cast<int>(((static_cast<unsigned>(c) >> 3) ^ key) << 3) + (c & 7);
 }
 
+// Index of element (r, c) of an LDS tile W columns wide: rows padded to LD, or (kSwz)
+// unpadded with their 16-byte pieces swizzled.
+template <int W, int LD, bool kSwz>
+__device__ __forceinline__ int lds_index(int r, int c) {
+  if constexpr (kSwz) return swizzled<W>(r, c);
+  else return r * LD + c;
+}
+
+// Element (r, c) of the 16 x 16 block at (r0, c0) of such a tile at p: the accessor the
+// vendor layer's *_at loads and stores take.
+template <int W, int LD, bool kSwz, class E>
+struct TileAt {
+  E* p;
+  int r0, c0;
+  __device__ __forceinline__ E* operator()(int r, int c) const {
+    if constexpr (kSwz) return p + swizzled<W>(r0 + r, c0 + c);
+    else return Rows<E>{p + r0 * LD + c0, LD}(r, c);  // (the block's origin first, as before)
+  }
+};
+
 }  // namespace kdagen

@@ -68,10 +68,7 @@ struct PrologueLayout {
   static constexpr bool kSwz = Cfg::kPrologueSwizzle && Cfg::kPlanar;
   static constexpr int LDK = D + (kSwz ? 0 : Cfg::kPad16);  // k / q plane row stride (elements)
   static constexpr int LDP = D + Cfg::kPad16;               // Ka / Kb plane row stride
-  static __device__ __forceinline__ int kidx(int i, int d) {
-    if constexpr (kSwz) return swizzled<D>(i, d);
-    else return i * LDK + d;
-  }
+  static __device__ __forceinline__ int kidx(int i, int d) { return lds_index<D, LDK, kSwz>(i, d); }
   static constexpr int LDA = C + Cfg::kPad16;    // (I + L)^-1 in bf16 [C][LDA], after L
   static constexpr bool kPlanar = Cfg::kPlanar;
   static constexpr int kPairs = NB * (NB - 1) / 2;  // off-diagonal block pairs
@@ -199,13 +196,6 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
   // threads per column of the gate's cumulative sum (each sums a run of rows)
   constexpr int kCumsumRuns = NT >= D ? NT / D : 1;
   auto block8 = [&](int m) { return (m * RSTEP8) / 16 + (RSTEP8 > 16 ? r8 / 16 : 0); };
-  // Where piece m (row r8 + m RSTEP8, columns c8) lies in the k / q planes (kidx); swizzled
-  // rows RSTEP8 apart share their key when RSTEP8 is a multiple of 8, so one offset serves.
-  auto kq_piece = [&](int m) -> int {
-    static_assert(!Lay::kSwz || D >= 64, "swizzled<D> keys rows by r mod 8 from 8 pieces a row on");
-    if constexpr (Lay::kSwz && RSTEP8 % 8 == 0) return Lay::kidx(r8, c8) + m * RSTEP8 * LDK;
-    else return Lay::kidx(r8 + m * RSTEP8, c8);
-  };
 
   // ---- inputs: raw rows, or the causal depthwise conv + SiLU of them ------------------
   auto raw = [&](const Strided& s, int t, int d) -> float {
@@ -267,9 +257,13 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
       // this thread's pieces (r8 + m RSTEP8, c8): 32-bit offsets from the chunk's row
       static_assert(sizeof(T) == 2, "16-bit planes");
       const int tok = static_cast<int>(s.token), off = r8 * tok + c8;
+      // piece m's place (kidx): swizzled rows RSTEP8 apart share their key (r mod 8, from
+      // eight pieces a row on) when RSTEP8 is a multiple of 8, so one offset serves
+      static_assert(!Lay::kSwz || D >= 64, "swizzled<D> keys rows by r mod 8 from 8 pieces a row on");
       auto d0 = [&](int m) -> T* {
-        if constexpr (Lay::kSwz) return dst + kq_piece(m);
-        else return dst + r8 * LDK + c8 + m * RSTEP8 * LDK;
+        if constexpr (!Lay::kSwz) return dst + r8 * LDK + c8 + m * RSTEP8 * LDK;
+        else if constexpr (RSTEP8 % 8 == 0) return dst + Lay::kidx(r8, c8) + m * RSTEP8 * LDK;
+        else return dst + Lay::kidx(r8 + m * RSTEP8, c8);
       };
       if constexpr (kAsync) {
 #pragma unroll
@@ -661,12 +655,9 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
 
   if constexpr (Lay::kPlanar) {
     constexpr int kScales = Lay::kScales, LDA = Lay::LDA;
-    // Element (r, c) of the 16 x 16 tile at (r0, c0) of the k or q plane, as the matrix
-    // loads address it (the plane's row placement, kidx).
-    auto ktile = [](auto* plane, int r0, int c0) {
-      if constexpr (Lay::kSwz) return [=](int r, int c) { return plane + Lay::kidx(r0 + r, c0 + c); };
-      else return Rows<std::remove_pointer_t<decltype(plane)>>{plane + r0 * LDK + c0, LDK};
-    };
+    // The 16 x 16 tile at (r0, c0) of the k or q plane, as the matrix loads address it
+    // (the plane's row placement, kidx).
+    using KqTile = TileAt<D, LDK, Lay::kSwz, const uint16_t>;
     auto load8f = [](const float* p, float (&v)[8]) {
       const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
       v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
@@ -816,7 +807,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
 #pragma unroll 4
         for (int kt = 0; kt < D / 16; ++kt) {
           const mma::Frag ak = mma::load_a_smem(KA + 16 * bi * LDP + 16 * kt, LDP);
-          const mma::Frag aq = mma::load_a_smem_at(ktile(Qm, 16 * bi, 16 * kt));
+          const mma::Frag aq = mma::load_a_smem_at(KqTile{Qm, 16 * bi, 16 * kt});
           mma::Frag b = mma::load_b_smem(KB + 16 * bj * LDP + 16 * kt, LDP);
           if constexpr (NB > 1) mma::scale_k<Mx>(b, Sv + p * D + 16 * kt);  // else scaled in P4
           mma::mma<Mx>(accL, ak, b);
@@ -908,7 +899,7 @@ __device__ __forceinline__ void prologue_chunk(const PrologueArgs& a, const int 
 #pragma unroll
           for (int kb = 0; kb <= bi; ++kb) {
             const mma::Frag fa = mma::load_a_smem(Ab + 16 * bi * LDA + 16 * kb, LDA);
-            const mma::Frag fb = mma::load_b_smem_kn_at(ktile(rhs, 16 * kb, 16 * dt));
+            const mma::Frag fb = mma::load_b_smem_kn_at(KqTile{rhs, 16 * kb, 16 * dt});
             mma::mma<DType::kBF16>(acc, fa, fb);
           }
           mma::store_tile<Io>(acc, dst + 16 * bi * LDP, LDP);
